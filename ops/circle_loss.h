@@ -1,0 +1,95 @@
+// Declarations shared by the op's translation units: the input contract and
+// the scalar pieces of the loss that every backend must compute identically.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cmath>
+#include <limits>
+
+namespace circle_loss {
+
+// Rejects anything outside SPEC.md's input contract with an error naming the
+// argument. Every kernel calls it, the Meta kernel included, so eager calls and
+// traced graphs (fake tensors, symbolic sizes) refuse the same inputs alike.
+//   features: (B, D) float32/float64/float16/bfloat16
+//   labels:   (B,)   any integer dtype, same device as features
+void check_inputs(
+    const at::Tensor& features,
+    const at::Tensor& labels,
+    double margin,
+    double gamma);
+
+// The logit of one ordered pair and its slope dz/ds with alpha detached
+// (SPEC.md "Definition" and "Gradient"). Written once, inlined into the CPU
+// loops and the CUDA epilogues alike; both sets are computed and one is
+// selected, with no branch, so that the loops around it vectorise.
+template <typename T>
+struct PairLogit {
+  T margin;
+  T gamma;
+
+#if defined(__CUDACC__)
+  __host__ __device__
+#endif
+  inline T operator()(T s, bool positive, T* slope) const {
+    const T alpha_pos = T(1) + margin - s > T(0) ? T(1) + margin - s : T(0);
+    const T alpha_neg = s + margin > T(0) ? s + margin : T(0);
+    const T slope_pos = -gamma * alpha_pos;
+    const T slope_neg = gamma * alpha_neg;
+    *slope = positive ? slope_pos : slope_neg;
+    return positive ? slope_pos * (s - (T(1) - margin)) : slope_neg * (s - margin);
+  }
+};
+
+// Log-sum-exp of one pair set kept as (max, sum of exp(z - max)): the form in
+// which partial results from tiles, threads, blocks or ranks combine.
+// An empty set is (-inf, 0). NaN in max propagates, as in PyTorch.
+struct LseAccumulator {
+  double max = -std::numeric_limits<double>::infinity();
+  double sum = 0.0;
+
+  void merge(double other_max, double other_sum) {
+    if (other_sum == 0.0 && !std::isnan(other_max)) {
+      return;
+    }
+    if (std::isnan(other_max) || std::isnan(max)) {
+      max = std::numeric_limits<double>::quiet_NaN();
+      sum = std::numeric_limits<double>::quiet_NaN();
+      return;
+    }
+    if (other_max > max) {
+      sum = sum * std::exp(max - other_max) + other_sum;
+      max = other_max;
+    } else {
+      sum += other_sum * std::exp(other_max - max);
+    }
+  }
+
+  double lse() const {
+    return sum == 0.0 ? -std::numeric_limits<double>::infinity()
+                      : max + std::log(sum);
+  }
+};
+
+// What the two set-wise log-sum-exps give: the loss and the factor
+// 2·sigmoid(Z) by which each pair's softmax weight times slope enters
+// dloss/dF = 2 G F.
+struct LossScalars {
+  double lse_positive;
+  double lse_negative;
+  double loss;
+  double grad_scale;
+};
+
+inline LossScalars finish_loss(double lse_positive, double lse_negative) {
+  const double z = lse_positive + lse_negative;
+  LossScalars out{lse_positive, lse_negative, 0.0, 0.0};
+  // softplus and sigmoid written so that z = -inf (an empty set) gives exactly
+  // 0 and large z neither overflows nor loses digits.
+  out.loss = z > 0 ? z + std::log1p(std::exp(-z)) : std::log1p(std::exp(z));
+  out.grad_scale = 2.0 / (1.0 + std::exp(-z));
+  return out;
+}
+
+} // namespace circle_loss

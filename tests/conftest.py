@@ -1,0 +1,27 @@
+import pytest
+import torch
+
+import circle_loss  # noqa: F401  (registers torch.ops.circle)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed():
+    # Fresh random inputs on every run, with the seed shown on failure.
+    seed = torch.seed()
+    yield seed
+
+
+def make_inputs(batch, dim, classes, device, dtype=torch.float32, normalize=True):
+    """Random features (optionally L2-normalised, then cast) and labels."""
+    features = torch.randn(batch, dim, dtype=torch.float64)
+    if normalize and dim > 0:
+        features = torch.nn.functional.normalize(features, dim=1)
+    labels = torch.randint(0, max(classes, 1), (batch,))
+    return features.to(device=device, dtype=dtype), labels.to(device)

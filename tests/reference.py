@@ -1,0 +1,85 @@
+"""The float64 reference for circle::loss, written from SPEC.md in plain PyTorch,
+and the tolerances every comparison with it uses."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Largest accepted relative error against the reference, per input dtype:
+# (loss, gradient as ‖g - g_ref‖ / ‖g_ref‖). float16/bfloat16 are bounded by
+# the rounding of the returned loss and gradient to their 11 and 8 bits.
+TOLERANCE = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-5, 1e-4),
+    torch.float16: (2e-3, 4e-3),
+    torch.bfloat16: (1e-2, 2e-2),
+}
+# Below float64 the gradient's error is set by the rounding of S itself, which
+# gamma amplifies in the logits and a few dominant pairs fail to average out:
+# the same definition evaluated in plain float32 PyTorch misses 1e-4 on some
+# small batches. The op may then be off by up to this many times that error.
+FLOAT32_YARDSTICK_FACTOR = 4.0
+
+
+def circle_loss_reference(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    margin: float = 0.25,
+    gamma: float = 256.0,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """SPEC.md's unified Circle Loss over all ordered pairs, computed in `dtype`
+    (float64 unless measuring float32's own error), differentiable with the
+    alphas detached. Materialises B×B: tests only."""
+    f = features.to(dtype)
+    s = f @ f.T
+    positive = labels[:, None] == labels[None, :]
+    sp, sn = s[positive], s[~positive]
+    alpha_p = torch.clamp_min(1 + margin - sp.detach(), 0)
+    alpha_n = torch.clamp_min(sn.detach() + margin, 0)
+    zp = -gamma * alpha_p * (sp - (1 - margin))
+    zn = gamma * alpha_n * (sn - margin)
+    return F.softplus(torch.logsumexp(zn, 0) + torch.logsumexp(zp, 0))
+
+
+def reference_loss_and_grad(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    margin: float = 0.25,
+    gamma: float = 256.0,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference loss and its gradient with respect to features."""
+    f = features.detach().to(dtype).requires_grad_()
+    loss = circle_loss_reference(f, labels, margin, gamma, dtype)
+    (grad,) = torch.autograd.grad(loss, f)
+    return loss.detach(), grad
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual = actual.detach().double().cpu()
+    expected = expected.detach().double().cpu()
+    scale = expected.norm().item()
+    diff = (actual - expected).norm().item()
+    return diff if scale == 0 else diff / scale
+
+
+def assert_matches_reference(loss, grad, features, labels, margin=0.25, gamma=256.0):
+    """Checks the op's loss and gradient (None: loss only) for these inputs
+    against the float64 reference, with the tolerances of features.dtype."""
+    dtype = features.dtype
+    ref_loss, ref_grad = reference_loss_and_grad(features, labels, margin, gamma)
+    loss_tol, grad_tol = TOLERANCE[dtype]
+    if dtype != torch.float64 and grad is not None:
+        _, grad32 = reference_loss_and_grad(features, labels, margin, gamma, torch.float32)
+        grad_tol = max(grad_tol, FLOAT32_YARDSTICK_FACTOR * relative_error(grad32, ref_grad))
+    assert torch.isfinite(loss).all(), f"loss is {loss}"
+    loss_err = relative_error(loss, ref_loss)
+    assert loss_err <= loss_tol, (
+        f"loss {loss.item()} vs reference {ref_loss.item()}: relative error {loss_err:.3g} > {loss_tol}"
+    )
+    if grad is not None:
+        assert torch.isfinite(grad).all(), "gradient has non-finite entries"
+        err = relative_error(grad, ref_grad)
+        assert err <= grad_tol, f"gradient relative error {err:.3g} > {grad_tol:.3g}"
