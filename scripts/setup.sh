@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv (unless one is active), installs the pinned toolchain and
+# builds and installs the circle_loss package into it. Sourced by the other
+# scripts; safe to run again.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+  [ -d .venv ] || python3 -m venv .venv
+  # shellcheck disable=SC1091
+  . .venv/bin/activate
+fi
+
+pip_install() { python -m pip install --quiet --disable-pip-version-check "$@"; }
+# torch 2.13.0 is pinned: unpinned, pip would fetch a multi-GB CUDA build.
+pip_install torch==2.13.0 scikit-build-core==0.11.6 ninja==1.13.0 "$@"
+command -v cmake >/dev/null || pip_install cmake==3.31.6
+
+# --no-build-isolation: the library must be built against the torch it runs with.
+pip_install --no-build-isolation .

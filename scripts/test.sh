@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Installs everything (scripts/setup.sh) and runs the whole test suite.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck disable=SC1091
+source "$root/scripts/setup.sh" pytest==9.0.3 expecttest==0.3.0 numpy==2.4.6
+cd "$root"
+python -m pytest -q "$@"
