@@ -1,0 +1,335 @@
+"""Side-by-side benchmark of torch.ops.circle.loss against the eager reference
+and torch.compile of it, forward and forward+backward, over a range of B.
+
+    python bench/bench.py                      # CPU, or CUDA when present
+    python bench/bench.py --device cuda --sizes 256 4096 16384 65536 --dtype float32
+
+Prints a table (median times, speed-ups over eager, extra peak memory) and
+writes it as CSV, JSON and a PNG plot under --out. On CUDA it also measures
+the floors the targets are stated against: a trivial x.sum().backward(),
+cuBLAS's F·Fᵀ alone, and the op's forward+backward replayed from a CUDA graph.
+Timings come from torch.utils.benchmark (median of many runs); nothing here
+asserts a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils import benchmark
+
+import circle_loss  # noqa: F401  (registers torch.ops.circle)
+
+MARGIN, GAMMA = circle_loss.DEFAULT_MARGIN, circle_loss.DEFAULT_GAMMA
+
+
+def eager_reference(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """What users write today (SPEC.md): B×B similarities, boolean indexing."""
+    s = features @ features.T
+    positive = labels[:, None] == labels[None, :]
+    sp, sn = s[positive], s[~positive]
+    alpha_p = torch.clamp_min(1 + MARGIN - sp.detach(), 0)
+    alpha_n = torch.clamp_min(sn.detach() + MARGIN, 0)
+    zp = -GAMMA * alpha_p * (sp - (1 - MARGIN))
+    zn = GAMMA * alpha_n * (sn - MARGIN)
+    return F.softplus(torch.logsumexp(zn, 0) + torch.logsumexp(zp, 0))
+
+
+def circle_op(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.ops.circle.loss(features, labels, MARGIN, GAMMA)
+
+
+def make_inputs(batch, dim, dtype, device, classes):
+    features = F.normalize(torch.randn(batch, dim, device=device), dim=1).to(dtype)
+    labels = torch.randint(0, classes, (batch,), device=device)
+    return features, labels
+
+
+def forward_backward(fn):
+    def step(features, labels):
+        (grad,) = torch.autograd.grad(fn(features, labels), features)
+        return grad
+
+    return step
+
+
+def median_seconds(stmt_fn, min_run_time) -> float:
+    # Timer runs single-threaded unless told otherwise.
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": stmt_fn}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median
+
+
+def cuda_extra_peak_bytes(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def cpu_extra_peak_bytes(method, mode, batch, dim, dtype, classes) -> int:
+    """Peak resident memory of one step above what the inputs and a warmed-up
+    process take, measured in a fresh process."""
+    cmd = [sys.executable, __file__, "--cpu-memory-probe", method, mode, str(batch), str(dim), dtype, str(classes)]
+    # Blocks of 64 KiB and up are mapped and unmapped one by one, so the
+    # resident size follows what is live rather than what the heap keeps.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    if out.returncode != 0:
+        return -1
+    return int(out.stdout.split()[-1])
+
+
+def cpu_memory_probe(method, mode, batch, dim, dtype, classes) -> None:
+    fn = {"op": circle_op, "eager": eager_reference}[method]
+    if mode == "fwd+bwd":
+        fn = forward_backward(fn)
+    features, labels = make_inputs(batch, dim, getattr(torch, dtype), "cpu", classes)
+    features.requires_grad_(mode == "fwd+bwd")
+    fn(features, labels)  # first-use allocations (thread pools, BLAS buffers)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak resident set size (Linux >= 4.0)
+    base = _status_bytes("VmRSS")
+    fn(features, labels)
+    print(_status_bytes("VmHWM") - base)
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise LookupError(field)
+
+
+def is_out_of_memory(error: Exception) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def run(args) -> list[dict]:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    compiled_reference = torch.compile(eager_reference, dynamic=False)
+    methods = {"op": circle_op, "eager": eager_reference, "compile": compiled_reference}
+    rows = []
+    for batch in args.sizes:
+        features, labels = make_inputs(batch, args.dim, dtype, device, args.classes)
+        leaf = features.clone().requires_grad_()
+        for name, fn in methods.items():
+            if name != "op" and batch > args.max_reference_batch:
+                rows.append(dict(method=name, B=batch, mode="fwd", skipped="--max-reference-batch"))
+                continue
+            for mode, step, x in [("fwd", fn, features), ("fwd+bwd", forward_backward(fn), leaf)]:
+                row = dict(method=name, B=batch, D=args.dim, dtype=args.dtype, mode=mode)
+                call = (lambda s=step, x=x: s(x, labels))
+                try:
+                    with torch.no_grad() if mode == "fwd" else torch.enable_grad():
+                        call()  # warm-up (and compilation)
+                        row["seconds"] = median_seconds(call, args.min_run_time)
+                        if device.type == "cuda":
+                            row["peak_bytes"] = cuda_extra_peak_bytes(call)
+                    if device.type == "cpu" and name != "compile":
+                        row["peak_bytes"] = cpu_extra_peak_bytes(
+                            name, mode, batch, args.dim, args.dtype, args.classes
+                        )
+                except Exception as error:  # an OOM is a result; anything else is not
+                    if not is_out_of_memory(error):
+                        raise
+                    row["skipped"] = "out of memory"
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                rows.append(row)
+                print(_format_row(row), flush=True)
+        del features, leaf
+    if device.type == "cuda":
+        rows += cuda_floors(args, dtype)
+    return rows
+
+
+def cuda_floors(args, dtype) -> list[dict]:
+    """The yardsticks the CUDA targets are stated against, measured in this run."""
+    rows = []
+    x = torch.randn(256, 512, device="cuda", requires_grad=True)
+    trivial = lambda: torch.autograd.grad(x.sum(), x)  # noqa: E731
+    trivial()
+    rows.append(dict(method="x.sum().backward()", B=256, D=512, mode="fwd+bwd",
+                     seconds=median_seconds(trivial, args.min_run_time)))
+    for batch in args.sizes:
+        f, labels = make_inputs(batch, args.dim, dtype, "cuda", args.classes)
+        try:
+            gemm = lambda f=f: f @ f.T  # noqa: E731
+            gemm()
+            rows.append(dict(method="cuBLAS F·Fᵀ", B=batch, D=args.dim, dtype=args.dtype, mode="fwd",
+                             seconds=median_seconds(gemm, args.min_run_time)))
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            rows.append(dict(method="cuBLAS F·Fᵀ", B=batch, mode="fwd", skipped="out of memory"))
+        del f
+        torch.cuda.empty_cache()
+    for batch in [b for b in args.sizes if b <= 4096]:
+        f, labels = make_inputs(batch, args.dim, dtype, "cuda", args.classes)
+        f.requires_grad_()
+        step = forward_backward(circle_op)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step(f, labels)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(f, labels)
+        rows.append(dict(method="op (CUDA graph replay)", B=batch, D=args.dim, dtype=args.dtype,
+                         mode="fwd+bwd", seconds=median_seconds(graph.replay, args.min_run_time)))
+    for row in rows:
+        print(_format_row(row), flush=True)
+    return rows
+
+
+def _format_row(row) -> str:
+    if "skipped" in row:
+        return f"{row['method']:>24} B={row['B']:<7} {row['mode']:<8} skipped: {row['skipped']}"
+    mem = row.get("peak_bytes")
+    mem_s = "" if mem is None else f"  extra peak {mem / 2**20:10.1f} MiB"
+    return f"{row['method']:>24} B={row['B']:<7} {row['mode']:<8} {row['seconds'] * 1e3:10.3f} ms{mem_s}"
+
+
+def table(rows) -> str:
+    """Markdown table: one line per (B, mode), op vs eager vs compile."""
+    by_key = {(r["method"], r["B"], r["mode"]): r for r in rows}
+    lines = [
+        "| B | mode | op | eager | compile | op speed-up vs eager | vs compile | op extra peak | eager extra peak |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def fmt_time(r):
+        if r is None:
+            return "—"
+        if "skipped" in r:
+            return r["skipped"]
+        s = r["seconds"]
+        return f"{s * 1e6:.0f} µs" if s < 1e-3 else f"{s * 1e3:.2f} ms"
+
+    def fmt_mem(r):
+        if r is None or r.get("peak_bytes") is None or r["peak_bytes"] < 0:
+            return "—"
+        return f"{r['peak_bytes'] / 2**20:.1f} MiB"
+
+    def ratio(a, b):
+        if not a or not b or "seconds" not in a or "seconds" not in b:
+            return "—"
+        return f"{b['seconds'] / a['seconds']:.1f}×"
+
+    for batch in sorted({r["B"] for r in rows if r["method"] == "op"}):
+        for mode in ("fwd", "fwd+bwd"):
+            op, eager, comp = (by_key.get((m, batch, mode)) for m in ("op", "eager", "compile"))
+            lines.append(
+                f"| {batch} | {mode} | {fmt_time(op)} | {fmt_time(eager)} | {fmt_time(comp)} | "
+                f"{ratio(op, eager)} | {ratio(op, comp)} | {fmt_mem(op)} | {fmt_mem(eager)} |"
+            )
+    extras = [r for r in rows if r["method"] not in ("op", "eager", "compile")]
+    if extras:
+        lines += ["", "| yardstick | B | time |", "|---|---|---|"]
+        lines += [f"| {r['method']} | {r['B']} | {fmt_time(r)} |" for r in extras]
+    return "\n".join(lines)
+
+
+def plot(rows, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for method, style in (("op", "o-"), ("eager", "s--"), ("compile", "^:")):
+        for mode, alpha in (("fwd", 0.5), ("fwd+bwd", 1.0)):
+            pts = [r for r in rows if r["method"] == method and r["mode"] == mode and "seconds" in r]
+            if pts:
+                ax_t.loglog([r["B"] for r in pts], [r["seconds"] * 1e3 for r in pts], style,
+                            alpha=alpha, label=f"{method} {mode}")
+            mem = [r for r in pts if r.get("peak_bytes") not in (None, -1)]
+            if mem and mode == "fwd+bwd":
+                ax_m.loglog([r["B"] for r in mem], [max(r["peak_bytes"], 1) / 2**20 for r in mem], style,
+                            label=method)
+    ax_t.set(xlabel="B", ylabel="median time (ms)", title="time")
+    ax_m.set(xlabel="B", ylabel="extra peak memory, fwd+bwd (MiB)", title="memory")
+    for ax in (ax_t, ax_m):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def environment(args) -> dict:
+    env = dict(
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        torch=torch.__version__,
+        python=platform.python_version(),
+        device=args.device,
+        threads=torch.get_num_threads(),
+        command=" ".join([Path(sys.executable).name] + sys.argv),
+    )
+    if args.device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    else:
+        env["cpu"] = platform.processor() or platform.machine()
+        env["cores"] = os.cpu_count()
+    return env
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--sizes", type=int, nargs="+")
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
+    parser.add_argument("--classes", type=int, default=100)
+    parser.add_argument("--max-reference-batch", type=int, default=32768,
+                        help="largest B at which the B×B-memory reference is attempted")
+    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
+    parser.add_argument("--cpu-memory-probe", nargs=6, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.cpu_memory_probe:
+        method, mode, batch, dim, dtype, classes = args.cpu_memory_probe
+        cpu_memory_probe(method, mode, int(batch), int(dim), dtype, int(classes))
+        return
+    if args.sizes is None:
+        args.sizes = [256, 4096, 16384, 65536] if args.device == "cuda" else [256, 1024, 2048]
+    torch.manual_seed(0)
+    rows = run(args)
+    env = environment(args)
+    md = table(rows)
+    print()
+    print(" ".join(f"{k}={v}" for k, v in env.items()))
+    print(md)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"bench_{args.device}_{args.dtype}"
+    stem.with_suffix(".json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+        writer.writeheader()
+        writer.writerows(rows)
+    stem.with_suffix(".md").write_text(" ".join(f"{k}={v}" for k, v in env.items()) + "\n\n" + md + "\n")
+    plot(rows, stem.with_suffix(".png"))
+    print(f"\nwritten: {stem}.{{json,csv,md,png}}")
+
+
+if __name__ == "__main__":
+    main()
