@@ -7,6 +7,12 @@
 #include <cmath>
 #include <limits>
 
+#if defined(__CUDACC__)
+#define CIRCLE_LOSS_HOST_DEVICE __host__ __device__
+#else
+#define CIRCLE_LOSS_HOST_DEVICE
+#endif
+
 namespace circle_loss {
 
 // Rejects anything outside SPEC.md's input contract with an error naming the
@@ -29,10 +35,7 @@ struct PairLogit {
   T margin;
   T gamma;
 
-#if defined(__CUDACC__)
-  __host__ __device__
-#endif
-  inline T operator()(T s, bool positive, T* slope) const {
+  CIRCLE_LOSS_HOST_DEVICE inline T operator()(T s, bool positive, T* slope) const {
     const T alpha_pos = T(1) + margin - s > T(0) ? T(1) + margin - s : T(0);
     const T alpha_neg = s + margin > T(0) ? s + margin : T(0);
     const T slope_pos = -gamma * alpha_pos;
@@ -82,13 +85,13 @@ struct LossScalars {
   double grad_scale;
 };
 
-inline LossScalars finish_loss(double lse_positive, double lse_negative) {
+CIRCLE_LOSS_HOST_DEVICE inline LossScalars finish_loss(double lse_positive, double lse_negative) {
   const double z = lse_positive + lse_negative;
   LossScalars out{lse_positive, lse_negative, 0.0, 0.0};
   // softplus and sigmoid written so that z = -inf (an empty set) gives exactly
   // 0 and large z neither overflows nor loses digits.
-  out.loss = z > 0 ? z + std::log1p(std::exp(-z)) : std::log1p(std::exp(z));
-  out.grad_scale = 2.0 / (1.0 + std::exp(-z));
+  out.loss = z > 0 ? z + log1p(exp(-z)) : log1p(exp(z));
+  out.grad_scale = 2.0 / (1.0 + exp(-z));
   return out;
 }
 

@@ -17,5 +17,11 @@ pip_install() { python -m pip install --quiet --disable-pip-version-check "$@"; 
 pip_install torch==2.13.0 scikit-build-core==0.11.6 ninja==1.13.0 "$@"
 command -v cmake >/dev/null || pip_install cmake==3.31.6
 
+# Against a CPU torch with nvcc present, the CUDA sources are still compiled
+# (not linked), so that a CUDA compile error fails here, as in CI.
+build_args=()
+if command -v nvcc >/dev/null && python -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then
+  build_args+=(-C cmake.define.CIRCLE_LOSS_CUDA_COMPILE_CHECK=ON)
+fi
 # --no-build-isolation: the library must be built against the torch it runs with.
-pip_install --no-build-isolation .
+pip_install --no-build-isolation "${build_args[@]}" .

@@ -141,3 +141,15 @@ def test_torchscript_saved_and_run_in_fresh_process(tmp_path, device):
         """
     )
     assert float(out) == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_library_links_torch_and_the_shared_cpp_runtime():
+    """The library must use the process's libstdc++ (a private static copy
+    breaks iostreams across the boundary) and never libpython/libtorch_python."""
+    result = subprocess.run(["readelf", "-d", circle_loss.library_path()], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip("readelf not available")
+    needed = [line.split("[")[1].rstrip("]") for line in result.stdout.splitlines() if "(NEEDED)" in line]
+    assert any(name.startswith("libstdc++") for name in needed), needed
+    assert any(name.startswith("libtorch") for name in needed), needed
+    assert not any(name.startswith(("libpython", "libtorch_python")) for name in needed), needed

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# On a CUDA machine with torch already installed: build and install the
+# package, run the whole test suite, compute-sanitizer (memcheck, racecheck)
+# over the CUDA tests, then the benchmark. Logs go to $OUT (or ./gpu_logs).
+#   bash scripts/gpu_check.sh [tests|sanitize|bench ...]   (default: all three)
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+# Logs are written to a scratch folder and packed into $OUT/gpu_logs.tgz at the
+# end (the device tool returns at most 8 files); the benchmark tables, plots and
+# the built library are copied to $OUT beside it.
+dest="${OUT:-$root/gpu_logs}"
+out="$(mktemp -d)"
+mkdir -p "$dest"
+trap 'tar czf "$dest/gpu_logs.tgz" -C "$out" . ; cp "$out"/*.md "$out"/*.png "$out"/*.so "$dest"/ 2>/dev/null' EXIT
+export PYTHONUNBUFFERED=1
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(tests sanitize bench)
+status=0
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+# The H200 image's default C++ compiler (/opt/gcc) links libstdc++ statically,
+# which breaks iostreams across the library boundary; prefer the system one.
+if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
+rm -rf build  # a cached CMake tree would keep its old compiler choice
+if [ -n "${CIRCLE_LOSS_LIBRARY:-}" ]; then
+  # A library built by an earlier run on this kind of machine: use the sources' package.
+  export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
+else
+  python3 -m pip install --no-build-isolation --no-deps -v -C build.verbose=true . > "$out/build.log" 2>&1 \
+    || { tail -40 "$out/build.log"; exit 1; }
+  cp "$(python3 -c 'import circle_loss; print(circle_loss.library_path())')" "$out/"
+fi
+
+for step in "${steps[@]}"; do
+  case "$step" in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/pytest.log" | tail -15
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    tests-by-file)  # one process per file: isolates a crash
+      for file in tests/test_*.py; do
+        python3 -m pytest -q -p no:cacheprovider "$file" > "$out/pytest_$(basename "$file" .py).log" 2>&1
+        echo "$file: exit $? $(tail -1 "$out/pytest_$(basename "$file" .py).log")"
+      done ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool "$tool" --error-exitcode 9 --target-processes all \
+          python3 -m pytest -q -p no:cacheprovider -x tests/test_correctness.py \
+          -k "cuda and (matches_reference or half_precision or empty or no_negative or nan)" \
+          > "$out/sanitizer_$tool.log" 2>&1
+        rc=$?
+        echo "compute-sanitizer $tool: exit $rc; $(grep -E 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' ')"
+        tail -3 "$out/sanitizer_$tool.log"
+        [ "$rc" = 0 ] || status=1
+      done ;;
+    bench)
+      python3 bench/bench.py --device cuda --sizes 256 4096 16384 65536 --max-reference-batch 16384 \
+        --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_fp32.log" | tail -22
+      for dtype in bfloat16 float16; do
+        python3 bench/bench.py --device cuda --dtype "$dtype" --sizes 16384 --max-reference-batch 0 \
+          --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_$dtype.log" | grep -E "^\| 16384|op "
+      done ;;
+  esac
+done
+exit $status

@@ -1,0 +1,82 @@
+"""What only a GPU run can show: no host sync (CUDA-graph capture), bitwise
+determinism across calls and streams, reduce-overhead compilation."""
+
+import pytest
+import torch
+
+from conftest import make_inputs
+from reference import assert_matches_reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def loss_and_grad(features, labels):
+    loss = torch.ops.circle.loss(features, labels)
+    (grad,) = torch.autograd.grad(loss, features)
+    return loss, grad
+
+
+@pytest.mark.parametrize("batch", [1, 200, 700])
+def test_cuda_graph_capture_and_replay(batch):
+    static_x, static_y = make_inputs(batch, 48, 9, "cuda")
+    static_x.requires_grad_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            loss_and_grad(static_x, static_y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # raises if anything synchronises with the host
+        static_loss, static_grad = loss_and_grad(static_x, static_y)
+    for _ in range(2):  # fresh data through the same graph
+        x, y = make_inputs(batch, 48, 9, "cuda")
+        with torch.no_grad():
+            static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference(static_loss, static_grad, x, y)
+
+
+def test_bitwise_deterministic_across_streams():
+    features, labels = make_inputs(1500, 96, 30, "cuda")
+    features.requires_grad_()
+    expected = loss_and_grad(features, labels)
+    for _ in range(3):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            loss, grad = loss_and_grad(features, labels)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        assert torch.equal(loss, expected[0]) and torch.equal(grad, expected[1])
+
+
+def test_reduce_overhead_compile():
+    torch._dynamo.reset()
+    criterion = torch.compile(torch.ops.circle.loss, mode="reduce-overhead", fullgraph=True)
+    features, labels = make_inputs(300, 64, 12, "cuda")
+    for _ in range(3):  # recorded into CUDA graphs, then replayed
+        x = features.clone().requires_grad_()
+        loss = criterion(x, labels)
+        loss.backward()
+    assert_matches_reference(loss, x.grad, features, labels)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_large_batch_matches_reference(dtype):
+    features, labels = make_inputs(2100, 256, 40, "cuda", dtype)
+    x = features.clone().requires_grad_()
+    loss, grad = loss_and_grad(x, labels)
+    assert_matches_reference(loss, grad, features, labels)
+
+
+def test_non_default_device_index_and_non_contiguous():
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    base, labels = make_inputs(333, 40, 7, device)
+    features = base.T.contiguous().T.requires_grad_()
+    with torch.cuda.device(0):
+        loss, grad = loss_and_grad(features, labels)
+    assert loss.device == device and grad.device == device
+    assert_matches_reference(loss, grad, base, labels)
