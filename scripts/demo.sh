@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Installs everything (scripts/setup.sh) and runs the main example.
+# Installs everything (scripts/setup.sh) and runs the main example: metric
+# learning on handwritten digits (examples/train_digits.py).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
-source "$root/scripts/setup.sh"
+source "$root/scripts/setup.sh" scikit-learn==1.9.1 tqdm==4.70.1 matplotlib==3.10.9
 cd "$root"
-python examples/quickstart.py "$@"
+python examples/train_digits.py "$@"

@@ -1,0 +1,46 @@
+"""Saves the TorchScript model and inputs that the C++ example runs, and
+prints the loss Python computes for them (`python loss <value>`)."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+import circle_loss
+
+
+class EmbeddingLoss(torch.nn.Module):
+    """A projection head and its Circle Loss: forward(features, labels) -> loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(32, 16)
+        self.criterion = circle_loss.CircleLoss(margin=0.25, gamma=64.0)
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.criterion(torch.nn.functional.normalize(self.head(features), dim=1), labels)
+
+
+class Inputs(torch.nn.Module):
+    """Tensors in TorchScript's container format, which C++ reads directly."""
+
+    def __init__(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        super().__init__()
+        self.features = features
+        self.labels = labels
+
+
+def main(out: Path) -> None:
+    torch.manual_seed(0)
+    out.mkdir(parents=True, exist_ok=True)
+    model = EmbeddingLoss().eval()
+    features = torch.randn(200, 32)
+    labels = torch.randint(0, 10, (200,))
+    torch.jit.script(model).save(str(out / "model.pt"))
+    torch.jit.script(Inputs(features, labels)).save(str(out / "inputs.pt"))
+    with torch.no_grad():
+        print(f"python loss {model(features, labels).item():.10g}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,87 @@
+"""The examples and the README's snippets, run as a user would run them."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import circle_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(args, **kwargs):
+    result = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT, **kwargs)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_train_digits_learns(tmp_path):
+    out = run([sys.executable, "examples/train_digits.py", "--out", str(tmp_path / "digits.png")])
+    last = out.strip().splitlines()[-1]
+    match = re.fullmatch(r"recall@1 before ([0-9.]+) after ([0-9.]+)", last)
+    assert match, last
+    before, after = map(float, match.groups())
+    assert after >= before + 0.05 and after >= 0.95, last
+    map_before, map_after = map(float, re.search(r"MAP@R before ([0-9.]+) after ([0-9.]+)", out).groups())
+    assert map_after >= map_before + 0.2
+    assert (tmp_path / "digits.png").stat().st_size > 10_000
+
+
+def test_train_digits_compiled_step(tmp_path):
+    out = run([sys.executable, "examples/train_digits.py", "--compile", "--epochs", "2", "--out", str(tmp_path / "d.png")])
+    assert out.strip().splitlines()[-1].startswith("recall@1 before")
+
+
+def test_cpp_program_prints_the_python_loss(tmp_path):
+    out = run(["bash", "examples/cpp/run.sh"], env=dict(os.environ, WORK_DIR=str(tmp_path), PYTHON=sys.executable))
+    python_loss = float(re.search(r"^python loss (\S+)$", out, re.M).group(1))
+    cpp_loss = float(re.search(r"^loss (\S+)$", out, re.M).group(1))
+    assert cpp_loss == pytest.approx(python_loss, rel=1e-6)
+
+
+class EmbeddingLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(32, 16)
+
+    def forward(self, x, labels):
+        return circle_loss.circle_loss(torch.nn.functional.normalize(self.head(x), dim=1), labels, 0.25, 64.0)
+
+
+def export_dynamic(model, x, labels):
+    batch = torch.export.Dim("batch", min=2)
+    return torch.export.export(model, (x, labels), dynamic_shapes=({0: batch}, {0: batch}))
+
+
+def test_torch_export_runs_and_matches_eager():
+    model = EmbeddingLoss().eval()
+    program = export_dynamic(model, torch.randn(100, 32), torch.randint(0, 5, (100,)))
+    assert "torch.ops.circle.loss.default" in program.graph_module.code
+    x, labels = torch.randn(150, 32), torch.randint(0, 5, (150,))  # another batch size
+    torch.testing.assert_close(program.module()(x, labels), model(x, labels))
+
+
+def test_aot_inductor_package_runs(tmp_path):
+    model = EmbeddingLoss().eval()
+    program = export_dynamic(model, torch.randn(100, 32), torch.randint(0, 5, (100,)))
+    path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "model.pt2"))
+    runner = torch._inductor.aoti_load_package(path)
+    x, labels = torch.randn(120, 32), torch.randint(0, 5, (120,))
+    torch.testing.assert_close(runner(x, labels), model(x, labels))
+
+
+README_SNIPPETS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+@pytest.mark.parametrize("index", range(len(README_SNIPPETS)))
+def test_readme_snippet_runs(index, tmp_path):
+    run([sys.executable, "-c", README_SNIPPETS[index]], env=dict(os.environ, TMPDIR=str(tmp_path)))
+
+
+def test_readme_has_snippets():
+    assert len(README_SNIPPETS) >= 4
