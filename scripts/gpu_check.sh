@@ -19,8 +19,8 @@ steps=("$@")
 status=0
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-# The H200 image's default C++ compiler (/opt/gcc) links libstdc++ statically,
-# which breaks iostreams across the library boundary; prefer the system one.
+# The system compiler, whose libstdc++ is the one torch runs with (the H200
+# image's CXX, /opt/gcc, would link a static copy: see CMakeLists.txt).
 if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 rm -rf build  # a cached CMake tree would keep its old compiler choice
 if [ -n "${CIRCLE_LOSS_LIBRARY:-}" ]; then
@@ -45,14 +45,20 @@ for step in "${steps[@]}"; do
     sanitize)
       for tool in memcheck racecheck; do
         compute-sanitizer --tool "$tool" --error-exitcode 9 --target-processes all \
-          python3 -m pytest -q -p no:cacheprovider -x tests/test_correctness.py \
-          -k "cuda and (matches_reference or half_precision or empty or no_negative or nan)" \
+          python3 -m pytest -q -p no:cacheprovider -x tests/test_correctness.py tests/test_distributed.py \
+          -k "cuda and (matches_reference or half_precision or empty or no_negative or nan or block_ops_compose)" \
           > "$out/sanitizer_$tool.log" 2>&1
         rc=$?
         echo "compute-sanitizer $tool: exit $rc; $(grep -E 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' ')"
         tail -3 "$out/sanitizer_$tool.log"
         [ "$rc" = 0 ] || status=1
       done ;;
+    distributed)  # needs 2+ GPUs
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+      python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py 2>&1 | tee "$out/pytest_distributed.log" | tail -3
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" bench/bench_distributed.py \
+        --per-rank 4096 16384 --out "$out" 2>&1 | tee "$out/bench_distributed.log" | tail -9 ;;
     bench)
       python3 bench/bench.py --device cuda --sizes 256 4096 16384 65536 --max-reference-batch 16384 \
         --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_fp32.log" | tail -22
