@@ -53,4 +53,54 @@ void check_inputs(
       gamma);
 }
 
+void check_block_inputs(
+    const at::Tensor& rows,
+    const at::Tensor& row_labels,
+    const at::Tensor& cols,
+    const at::Tensor& col_labels,
+    double margin,
+    double gamma) {
+  check_inputs(rows, row_labels, margin, gamma);
+  check_inputs(cols, col_labels, margin, gamma);
+  TORCH_SYM_CHECK(
+      rows.sym_size(1).sym_eq(cols.sym_size(1)),
+      "circle: rows and cols must have the same width D, got ",
+      rows.sym_size(1),
+      " and ",
+      cols.sym_size(1));
+  TORCH_CHECK(
+      rows.scalar_type() == cols.scalar_type() && rows.device() == cols.device(),
+      "circle: rows and cols must share dtype and device, got ",
+      rows.scalar_type(),
+      " on ",
+      rows.device(),
+      " and ",
+      cols.scalar_type(),
+      " on ",
+      cols.device());
+}
+
+void check_partials(const at::Tensor& partials) {
+  TORCH_CHECK(
+      partials.dim() == 2 && partials.size(1) == 4 && partials.scalar_type() == at::kDouble,
+      "circle::_lse_finish: partials must be a float64 tensor of shape (n, 4), got ",
+      partials.scalar_type(),
+      " of shape ",
+      partials.sizes());
+}
+
+void check_scalars(const at::Tensor& scalars, const c10::Device& device) {
+  TORCH_CHECK(
+      scalars.dim() == 1 && scalars.size(0) == 4 && scalars.scalar_type() == at::kDouble &&
+          scalars.device() == device,
+      "circle::_block_grad: scalars must be the float64 (4,) tensor from _lse_finish on ",
+      device,
+      ", got ",
+      scalars.scalar_type(),
+      " of shape ",
+      scalars.sizes(),
+      " on ",
+      scalars.device());
+}
+
 } // namespace circle_loss

@@ -26,6 +26,23 @@ void check_inputs(
     double margin,
     double gamma);
 
+// The contract of the block ops: both blocks as check_inputs requires, with
+// the same width, dtype and device.
+//   rows: (R, D), row_labels: (R,), cols: (C, D), col_labels: (C,)
+void check_block_inputs(
+    const at::Tensor& rows,
+    const at::Tensor& row_labels,
+    const at::Tensor& cols,
+    const at::Tensor& col_labels,
+    double margin,
+    double gamma);
+
+// partials: (n, 4) float64, as _lse_finish takes them.
+void check_partials(const at::Tensor& partials);
+
+// scalars: (4,) float64 from _lse_finish, on `device`.
+void check_scalars(const at::Tensor& scalars, const c10::Device& device);
+
 // The logit of one ordered pair and its slope dz/ds with alpha detached
 // (SPEC.md "Definition" and "Gradient"). Written once, inlined into the CPU
 // loops and the CUDA epilogues alike; both sets are computed and one is

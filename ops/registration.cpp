@@ -12,4 +12,17 @@ TORCH_LIBRARY(circle, m) {
       "_loss_with_grad(Tensor features, Tensor labels, float margin, float gamma) -> (Tensor, Tensor)");
   // The backward: grad_loss (0-dim) times the saved dloss/dfeatures (B, D).
   m.def("_loss_backward(Tensor grad_loss, Tensor grad_features) -> Tensor");
+
+  // Pieces of the loss over the pairs of two row blocks, for computing it
+  // sharded (circle_loss.distributed). Partials are float64 rows
+  // (max_P, Σ exp(z - max_P), max_N, Σ exp(z - max_N)) that combine exactly.
+  //   rows: (R, D), cols: (C, D) -> (4,): the pairs rows × cols
+  m.def(
+      "_lse_partials(Tensor rows, Tensor row_labels, Tensor cols, Tensor col_labels, float margin, float gamma) -> Tensor");
+  //   partials: (n, 4) -> (4,): (LSE_P, LSE_N, loss, 2·sigmoid(LSE_P + LSE_N))
+  m.def("_lse_finish(Tensor partials) -> Tensor");
+  //   -> (R, D) float32 (float64 for float64 rows): Σ_j G_ij cols_j, with G
+  //   as in SPEC.md "Gradient" (2σ(Z) folded in) from scalars = _lse_finish(...)
+  m.def(
+      "_block_grad(Tensor rows, Tensor row_labels, Tensor cols, Tensor col_labels, Tensor scalars, float margin, float gamma) -> Tensor");
 }

@@ -20,6 +20,8 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros_like.h>
 #include <ATen/ops/_unique.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
@@ -112,18 +114,23 @@ std::array<LseAccumulator, 2> tile_lse(
   return out;
 }
 
-// (LSE over positive pairs, LSE over negative pairs) of F Fᵀ from the tiles on
-// and above the diagonal, off-diagonal ones counted twice.
+// (positive, negative) LSE accumulators of the pairs rows × colsᵀ, from
+// tiles fixed by the shapes alone and folded in tile order. With `symmetric`
+// (rows and cols are the same tensor) only tiles on and above the diagonal
+// are computed, off-diagonal ones counted twice.
 template <typename T>
-std::array<double, 2> symmetric_lse(
-    const at::Tensor& features, // (B, D)
-    const int32_t* labels, // (B,)
-    const PairLogit<T>& logit) {
-  const int64_t batch = features.size(0);
-  const int64_t blocks = at::divup(batch, kTile);
+std::array<LseAccumulator, 2> lse_over_tiles(
+    const at::Tensor& rows, // (R, D)
+    const int32_t* row_labels, // (R,)
+    const at::Tensor& cols, // (C, D)
+    const int32_t* col_labels, // (C,)
+    const PairLogit<T>& logit,
+    bool symmetric) {
+  const int64_t n_rows = rows.size(0);
+  const int64_t n_cols = cols.size(0);
   std::vector<std::pair<int64_t, int64_t>> tiles;
-  for (int64_t bi = 0; bi < blocks; ++bi) {
-    for (int64_t bj = bi; bj < blocks; ++bj) {
+  for (int64_t bi = 0; bi < at::divup(n_rows, kTile); ++bi) {
+    for (int64_t bj = symmetric ? bi : 0; bj < at::divup(n_cols, kTile); ++bj) {
       tiles.emplace_back(bi, bj);
     }
   }
@@ -134,9 +141,9 @@ std::array<double, 2> symmetric_lse(
       const int64_t r0 = bi * kTile;
       const int64_t c0 = bj * kTile;
       partial[t] = tile_lse<T>(
-          features.narrow(0, r0, std::min(kTile, batch - r0)), labels + r0,
-          features.narrow(0, c0, std::min(kTile, batch - c0)), labels + c0,
-          logit, bi == bj ? 1.0 : 2.0);
+          rows.narrow(0, r0, std::min(kTile, n_rows - r0)), row_labels + r0,
+          cols.narrow(0, c0, std::min(kTile, n_cols - c0)), col_labels + c0,
+          logit, (symmetric && bi != bj) ? 2.0 : 1.0);
     }
   });
   std::array<LseAccumulator, 2> total;
@@ -144,7 +151,7 @@ std::array<double, 2> symmetric_lse(
     total[0].merge(p[0].max, p[0].sum);
     total[1].merge(p[1].max, p[1].sum);
   }
-  return {total[0].lse(), total[1].lse()};
+  return total;
 }
 
 // The tile G = grad_scale · exp(z - LSE_set) · c of dloss/dS (SPEC.md,
@@ -222,25 +229,63 @@ at::Tensor symmetric_gradient(
   return by_row.add_(by_col);
 }
 
-// Features in the dtype the kernel computes in (float32 for float16/bfloat16,
-// as their GEMMs would otherwise round S to 8 or 11 bits), contiguous; labels
-// as dense int32 class ids, which compare in the same vector lanes as float32.
-std::pair<at::Tensor, at::Tensor> prepare(
-    const at::Tensor& features,
-    const at::Tensor& labels) {
-  const auto compute = features.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor class_ids = std::get<1>(
-      at::_unique(labels, /*sorted=*/true, /*return_inverse=*/true));
-  return {features.to(compute).contiguous(), class_ids.to(at::kInt).contiguous()};
+// Σ_j G_ij cols_j for every row i of a block against another block: each
+// task owns a block of rows and adds its column tiles in order.
+template <typename T>
+at::Tensor block_gradient(
+    const at::Tensor& rows, // (R, D)
+    const int32_t* row_labels, // (R,)
+    const at::Tensor& cols, // (C, D)
+    const int32_t* col_labels, // (C,)
+    const PairLogit<T>& logit,
+    const LossScalars& scalars) {
+  const int64_t n_rows = rows.size(0);
+  const int64_t n_cols = cols.size(0);
+  at::Tensor grad = at::zeros_like(rows);
+  if (scalars.grad_scale == 0.0) {
+    return grad;
+  }
+  at::parallel_for(0, at::divup(n_rows, kTile), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bi = begin; bi < end; ++bi) {
+      const int64_t r0 = bi * kTile;
+      const int64_t nr = std::min(kTile, n_rows - r0);
+      const at::Tensor row_block = rows.narrow(0, r0, nr);
+      at::Tensor acc = grad.narrow(0, r0, nr);
+      for (int64_t c0 = 0; c0 < n_cols; c0 += kTile) {
+        const at::Tensor col_block = cols.narrow(0, c0, std::min(kTile, n_cols - c0));
+        acc.addmm_(
+            tile_gradient_weights<T>(row_block, row_labels + r0, col_block, col_labels + c0, logit, scalars),
+            col_block);
+      }
+    }
+  });
+  return grad;
+}
+
+// The dtype the kernel computes in: float32 for float16/bfloat16, as their
+// GEMMs would otherwise round S to 8 or 11 bits.
+at::ScalarType compute_dtype(const at::Tensor& features) {
+  return features.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Labels as dense int32 class ids, which compare in the same vector lanes as
+// float32; ids are shared by all the label tensors given, so equal labels in
+// two blocks get equal ids.
+std::vector<at::Tensor> class_ids(at::TensorList labels) {
+  const at::Tensor ids = std::get<1>(
+      at::_unique(at::cat(labels).to(at::kLong), /*sorted=*/true, /*return_inverse=*/true));
+  std::vector<at::Tensor> out;
+  int64_t offset = 0;
+  for (const auto& l : labels) {
+    out.push_back(ids.narrow(0, offset, l.size(0)).to(at::kInt).contiguous());
+    offset += l.size(0);
+  }
+  return out;
 }
 
 template <typename T>
-LossScalars loss_scalars(
-    const at::Tensor& features, // (B, D) compute dtype, contiguous
-    const int32_t* labels, // (B,)
-    const PairLogit<T>& logit) {
-  const auto [lse_pos, lse_neg] = symmetric_lse<T>(features, labels, logit);
-  return finish_loss(lse_pos, lse_neg);
+PairLogit<T> pair_logit(double margin, double gamma) {
+  return {static_cast<T>(margin), static_cast<T>(gamma)};
 }
 
 at::Tensor loss_cpu(
@@ -249,11 +294,13 @@ at::Tensor loss_cpu(
     double margin,
     double gamma) {
   check_inputs(features, labels, margin, gamma);
-  const auto [f, y] = prepare(features, labels);
+  const at::Tensor f = features.to(compute_dtype(features)).contiguous();
+  const at::Tensor ids = class_ids({labels})[0];
   double loss = 0.0;
   AT_DISPATCH_FLOATING_TYPES(f.scalar_type(), "circle_loss_cpu", [&] {
-    const PairLogit<scalar_t> logit{static_cast<scalar_t>(margin), static_cast<scalar_t>(gamma)};
-    loss = loss_scalars<scalar_t>(f, y.data_ptr<int32_t>(), logit).loss;
+    const int32_t* y = ids.data_ptr<int32_t>();
+    const auto lse = lse_over_tiles<scalar_t>(f, y, f, y, pair_logit<scalar_t>(margin, gamma), true);
+    loss = finish_loss(lse[0].lse(), lse[1].lse()).loss;
   });
   return at::scalar_tensor(loss, features.options());
 }
@@ -264,17 +311,87 @@ std::tuple<at::Tensor, at::Tensor> loss_with_grad_cpu(
     double margin,
     double gamma) {
   check_inputs(features, labels, margin, gamma);
-  const auto [f, y] = prepare(features, labels);
+  const at::Tensor f = features.to(compute_dtype(features)).contiguous();
+  const at::Tensor ids = class_ids({labels})[0];
   double loss = 0.0;
   at::Tensor grad;
   AT_DISPATCH_FLOATING_TYPES(f.scalar_type(), "circle_loss_with_grad_cpu", [&] {
-    const PairLogit<scalar_t> logit{static_cast<scalar_t>(margin), static_cast<scalar_t>(gamma)};
-    const int32_t* ys = y.data_ptr<int32_t>();
-    const LossScalars scalars = loss_scalars<scalar_t>(f, ys, logit);
+    const int32_t* y = ids.data_ptr<int32_t>();
+    const auto logit = pair_logit<scalar_t>(margin, gamma);
+    const auto lse = lse_over_tiles<scalar_t>(f, y, f, y, logit, true);
+    const LossScalars scalars = finish_loss(lse[0].lse(), lse[1].lse());
     loss = scalars.loss;
-    grad = symmetric_gradient<scalar_t>(f, ys, logit, scalars);
+    grad = symmetric_gradient<scalar_t>(f, y, logit, scalars);
   });
   return {at::scalar_tensor(loss, features.options()), grad.to(features.scalar_type())};
+}
+
+at::Tensor lse_partials_cpu(
+    const at::Tensor& rows, // (R, D)
+    const at::Tensor& row_labels, // (R,)
+    const at::Tensor& cols, // (C, D)
+    const at::Tensor& col_labels, // (C,)
+    double margin,
+    double gamma) {
+  check_block_inputs(rows, row_labels, cols, col_labels, margin, gamma);
+  const at::Tensor r = rows.to(compute_dtype(rows)).contiguous();
+  const at::Tensor c = cols.to(compute_dtype(cols)).contiguous();
+  const auto ids = class_ids({row_labels, col_labels});
+  at::Tensor out = at::empty({4}, rows.options().dtype(at::kDouble));
+  AT_DISPATCH_FLOATING_TYPES(r.scalar_type(), "circle_lse_partials_cpu", [&] {
+    const auto lse = lse_over_tiles<scalar_t>(
+        r, ids[0].data_ptr<int32_t>(), c, ids[1].data_ptr<int32_t>(), pair_logit<scalar_t>(margin, gamma), false);
+    double* o = out.data_ptr<double>();
+    o[0] = lse[0].max;
+    o[1] = lse[0].sum;
+    o[2] = lse[1].max;
+    o[3] = lse[1].sum;
+  });
+  return out;
+}
+
+at::Tensor lse_finish_cpu(const at::Tensor& partials) { // (n, 4)
+  check_partials(partials);
+  const at::Tensor p = partials.contiguous();
+  const double* ps = p.data_ptr<double>();
+  std::array<LseAccumulator, 2> total;
+  for (int64_t i = 0; i < p.size(0); ++i) {
+    total[0].merge(ps[4 * i], ps[4 * i + 1]);
+    total[1].merge(ps[4 * i + 2], ps[4 * i + 3]);
+  }
+  const LossScalars s = finish_loss(total[0].lse(), total[1].lse());
+  at::Tensor out = at::empty({4}, partials.options());
+  double* o = out.data_ptr<double>();
+  o[0] = s.lse_positive;
+  o[1] = s.lse_negative;
+  o[2] = s.loss;
+  o[3] = s.grad_scale;
+  return out;
+}
+
+at::Tensor block_grad_cpu(
+    const at::Tensor& rows, // (R, D)
+    const at::Tensor& row_labels, // (R,)
+    const at::Tensor& cols, // (C, D)
+    const at::Tensor& col_labels, // (C,)
+    const at::Tensor& scalars, // (4,)
+    double margin,
+    double gamma) {
+  check_block_inputs(rows, row_labels, cols, col_labels, margin, gamma);
+  check_scalars(scalars, rows.device());
+  const at::Tensor r = rows.to(compute_dtype(rows)).contiguous();
+  const at::Tensor c = cols.to(compute_dtype(cols)).contiguous();
+  const auto ids = class_ids({row_labels, col_labels});
+  const at::Tensor s = scalars.contiguous();
+  const double* sv = s.data_ptr<double>();
+  const LossScalars loss_scalars{sv[0], sv[1], sv[2], sv[3]};
+  at::Tensor grad;
+  AT_DISPATCH_FLOATING_TYPES(r.scalar_type(), "circle_block_grad_cpu", [&] {
+    grad = block_gradient<scalar_t>(
+        r, ids[0].data_ptr<int32_t>(), c, ids[1].data_ptr<int32_t>(),
+        pair_logit<scalar_t>(margin, gamma), loss_scalars);
+  });
+  return grad;
 }
 
 } // namespace
@@ -282,6 +399,9 @@ std::tuple<at::Tensor, at::Tensor> loss_with_grad_cpu(
 TORCH_LIBRARY_IMPL(circle, CPU, m) {
   m.impl("loss", &loss_cpu);
   m.impl("_loss_with_grad", &loss_with_grad_cpu);
+  m.impl("_lse_partials", &lse_partials_cpu);
+  m.impl("_lse_finish", &lse_finish_cpu);
+  m.impl("_block_grad", &block_grad_cpu);
 }
 
 } // namespace circle_loss

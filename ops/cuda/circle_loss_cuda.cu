@@ -2,7 +2,8 @@
 //
 // The same two passes as the CPU kernel, with every scalar kept on the device
 // so that nothing waits for the host (the op runs under CUDA-graph capture):
-//   lse_tiles_kernel   one CTA per 64×64 tile of S on or above the diagonal:
+//   lse_tiles_kernel   one CTA per 64×64 tile of S on or above the diagonal
+//                      (or, for two different blocks of rows, every tile):
 //                      S by SIMT FMA, then each pair set's (max, Σ exp(z - max))
 //                      for the tile, off-diagonal tiles counted twice.
 //   finalize_kernel    one CTA folds the tiles' partials in tile order into the
@@ -81,12 +82,14 @@ __device__ __forceinline__ void stage_chunk(
   }
 }
 
-// One 64×64 tile of S = F Fᵀ. Each thread gets ROWS × 4 entries:
+// One 64×64 tile of S = rows colsᵀ. Each thread gets ROWS × 4 entries:
 // rows ty·ROWS + i, columns tx·4 + j, with THREADS = 16 · (64 / ROWS).
 template <typename scalar_t, typename acc_t, int THREADS, int ROWS>
 __device__ __forceinline__ void similarity_tile(
-    const scalar_t* __restrict__ features, // (B, D)
-    int64_t batch,
+    const scalar_t* __restrict__ rows, // (R, D)
+    int64_t n_rows,
+    const scalar_t* __restrict__ cols, // (C, D)
+    int64_t n_cols,
     int64_t dim,
     int64_t row0,
     int64_t col0,
@@ -104,8 +107,8 @@ __device__ __forceinline__ void similarity_tile(
     }
   }
   for (int64_t k0 = 0; k0 < dim; k0 += kChunk) {
-    stage_chunk<scalar_t, acc_t, THREADS>(features, batch, dim, row0, k0, a_smem);
-    stage_chunk<scalar_t, acc_t, THREADS>(features, batch, dim, col0, k0, b_smem);
+    stage_chunk<scalar_t, acc_t, THREADS>(rows, n_rows, dim, row0, k0, a_smem);
+    stage_chunk<scalar_t, acc_t, THREADS>(cols, n_cols, dim, col0, k0, b_smem);
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < kChunk; ++k) {
@@ -144,26 +147,37 @@ __device__ __forceinline__ T block_reduce(T value, Op op, T* scratch) {
   return total;
 }
 
+// With `symmetric` (rows and cols are one tensor) the CTAs cover the tiles
+// on and above the diagonal, off-diagonal ones counted twice; otherwise all.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kLseThreads) lse_tiles_kernel(
-    const scalar_t* __restrict__ features, // (B, D)
-    const int64_t* __restrict__ labels, // (B,)
-    int64_t batch,
+    const scalar_t* __restrict__ rows, // (R, D)
+    const int64_t* __restrict__ row_labels, // (R,)
+    int64_t n_rows,
+    const scalar_t* __restrict__ cols, // (C, D)
+    const int64_t* __restrict__ col_labels, // (C,)
+    int64_t n_cols,
     int64_t dim,
-    int64_t blocks,
+    bool symmetric,
     PairLogit<typename Acc<scalar_t>::type> logit,
     typename Acc<scalar_t>::type* __restrict__ partials) { // (tiles, 4)
   using acc_t = typename Acc<scalar_t>::type;
   __shared__ acc_t a_smem[kChunk][kTile + 1];
   __shared__ acc_t b_smem[kChunk][kTile + 1];
   __shared__ acc_t scratch[kLseThreads / 32];
+  const int64_t col_blocks = (n_cols + kTile - 1) / kTile;
   int64_t bi, bj;
-  upper_tile(blockIdx.x, blocks, bi, bj);
+  if (symmetric) {
+    upper_tile(blockIdx.x, col_blocks, bi, bj);
+  } else {
+    bi = blockIdx.x / col_blocks;
+    bj = blockIdx.x % col_blocks;
+  }
   const int64_t row0 = bi * kTile;
   const int64_t col0 = bj * kTile;
 
   acc_t s[4][4];
-  similarity_tile<scalar_t, acc_t, kLseThreads, 4>(features, batch, dim, row0, col0, a_smem, b_smem, s);
+  similarity_tile<scalar_t, acc_t, kLseThreads, 4>(rows, n_rows, cols, n_cols, dim, row0, col0, a_smem, b_smem, s);
 
   const int tx = threadIdx.x % 16;
   const int ty = threadIdx.x / 16;
@@ -178,8 +192,8 @@ __global__ void __launch_bounds__(kLseThreads) lse_tiles_kernel(
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t col = col0 + tx * 4 + j;
-      const bool valid = row < batch && col < batch;
-      positive[i][j] = valid && labels[row] == labels[col];
+      const bool valid = row < n_rows && col < n_cols;
+      positive[i][j] = valid && row_labels[row] == col_labels[col];
       acc_t slope;
       z[i][j] = valid ? logit(s[i][j], positive[i][j], &slope) : kNegInf;
       if (positive[i][j]) {
@@ -210,7 +224,7 @@ __global__ void __launch_bounds__(kLseThreads) lse_tiles_kernel(
   sum_pos = block_reduce(sum_pos, sum_op, scratch);
   sum_neg = block_reduce(sum_neg, sum_op, scratch);
   if (threadIdx.x == 0) {
-    const acc_t multiplicity = bi == bj ? acc_t(1) : acc_t(2);
+    const acc_t multiplicity = (symmetric && bi != bj) ? acc_t(2) : acc_t(1);
     acc_t* out = partials + 4 * static_cast<int64_t>(blockIdx.x);
     out[0] = max_pos;
     out[1] = sum_pos * multiplicity;
@@ -221,14 +235,16 @@ __global__ void __launch_bounds__(kLseThreads) lse_tiles_kernel(
 
 constexpr int kFinalizeThreads = 1024;
 
-// Folds the tiles' partials in a fixed order and writes
-// scalars = (LSE_P, LSE_N, loss, 2·sigmoid(Z)) and the loss itself.
-template <typename scalar_t>
+// Folds partials in a fixed order. Writes, where given: the folded partial
+// (max_P, Σ_P, max_N, Σ_N); scalars = (LSE_P, LSE_N, loss, 2·sigmoid(Z));
+// the loss in the features' dtype.
+template <typename partial_t, typename loss_t>
 __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(
-    const typename Acc<scalar_t>::type* __restrict__ partials, // (tiles, 4)
+    const partial_t* __restrict__ partials, // (tiles, 4)
     int64_t tiles,
-    double* __restrict__ scalars, // (4,)
-    scalar_t* __restrict__ loss) { // ()
+    double* __restrict__ folded, // (4,) or null
+    double* __restrict__ scalars, // (4,) or null
+    loss_t* __restrict__ loss) { // () or null
   __shared__ double shared_max[2][kFinalizeThreads];
   __shared__ double shared_sum[2][kFinalizeThreads];
   double maxima[2] = {-INFINITY, -INFINITY};
@@ -269,14 +285,22 @@ __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(
     for (int set = 0; set < 2; ++set) {
       lse[set] = shared_sum[set][0] == 0.0 ? -INFINITY
                                            : shared_max[set][0] + log(shared_sum[set][0]);
+      if (folded != nullptr) {
+        folded[2 * set] = shared_max[set][0];
+        folded[2 * set + 1] = shared_sum[set][0];
+      }
     }
     const LossScalars out = finish_loss(lse[0], lse[1]);
-    scalars[0] = out.lse_positive;
-    scalars[1] = out.lse_negative;
-    scalars[2] = out.loss;
-    scalars[3] = out.grad_scale;
-    using acc_t = typename Acc<scalar_t>::type;
-    *loss = static_cast<scalar_t>(static_cast<acc_t>(out.loss));
+    if (scalars != nullptr) {
+      scalars[0] = out.lse_positive;
+      scalars[1] = out.lse_negative;
+      scalars[2] = out.loss;
+      scalars[3] = out.grad_scale;
+    }
+    if (loss != nullptr) {
+      using acc_t = typename Acc<loss_t>::type;
+      *loss = static_cast<loss_t>(static_cast<acc_t>(out.loss));
+    }
   }
 }
 
@@ -298,17 +322,20 @@ constexpr size_t gradient_smem_bytes() {
 }
 
 // out[slice] rows row0..row0+64 = Σ over this slice's column blocks J of
-// G_IJ F_J, with G as in SPEC.md ("Gradient", factor 2 folded in).
+// G_IJ cols_J, with G as in SPEC.md ("Gradient", factor 2 folded in).
 template <typename scalar_t, typename out_t>
 __global__ void __launch_bounds__(kGradThreads, 1) gradient_kernel(
-    const scalar_t* __restrict__ features, // (B, D)
-    const int64_t* __restrict__ labels, // (B,)
-    int64_t batch,
+    const scalar_t* __restrict__ rows, // (R, D)
+    const int64_t* __restrict__ row_labels_in, // (R,)
+    int64_t n_rows,
+    const scalar_t* __restrict__ cols, // (C, D)
+    const int64_t* __restrict__ col_labels_in, // (C,)
+    int64_t n_cols,
     int64_t dim,
     int64_t blocks_per_slice,
     PairLogit<typename Acc<scalar_t>::type> logit,
     const double* __restrict__ scalars, // (LSE_P, LSE_N, loss, 2σ(Z))
-    out_t* __restrict__ out) { // (slices, B, D)
+    out_t* __restrict__ out) { // (slices, R, D)
   using acc_t = typename Acc<scalar_t>::type;
   using Shape = GradShape<acc_t>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -328,8 +355,8 @@ __global__ void __launch_bounds__(kGradThreads, 1) gradient_kernel(
   const double grad_scale = scalars[3];
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int64_t slice = blockIdx.y;
-  out_t* out_slice = out + slice * batch * dim;
-  const int64_t total_blocks = (batch + kTile - 1) / kTile;
+  out_t* out_slice = out + slice * n_rows * dim;
+  const int64_t total_blocks = (n_cols + kTile - 1) / kTile;
   const int64_t first_block = slice * blocks_per_slice;
   const int64_t last_block = min(total_blocks, first_block + blocks_per_slice);
   const acc_t lse_pos = static_cast<acc_t>(scalars[0]);
@@ -337,7 +364,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gradient_kernel(
   const acc_t scale = static_cast<acc_t>(grad_scale);
 
   for (int i = threadIdx.x; i < kTile; i += kGradThreads) {
-    row_labels[i] = row0 + i < batch ? labels[row0 + i] : 0;
+    row_labels[i] = row0 + i < n_rows ? row_labels_in[row0 + i] : 0;
   }
   // G·F thread layout: rows gy·4 .. +3, columns gx + 32·j of the D chunk
   // (interleaved, so a warp reads shared memory and writes out stride-1).
@@ -359,17 +386,17 @@ __global__ void __launch_bounds__(kGradThreads, 1) gradient_kernel(
       const int64_t col0 = bj * kTile;
       __syncthreads(); // previous G and labels fully used
       for (int j = threadIdx.x; j < kTile; j += kGradThreads) {
-        col_labels[j] = col0 + j < batch ? labels[col0 + j] : 0;
+        col_labels[j] = col0 + j < n_cols ? col_labels_in[col0 + j] : 0;
       }
       acc_t s[2][4];
-      similarity_tile<scalar_t, acc_t, kGradThreads, 2>(features, batch, dim, row0, col0, a_smem, b_smem, s);
+      similarity_tile<scalar_t, acc_t, kGradThreads, 2>(rows, n_rows, cols, n_cols, dim, row0, col0, a_smem, b_smem, s);
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int r = ty * 2 + i;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int c = tx * 4 + j;
-          const bool valid = row0 + r < batch && col0 + c < batch;
+          const bool valid = row0 + r < n_rows && col0 + c < n_cols;
           const bool positive = row_labels[r] == col_labels[c];
           acc_t slope;
           const acc_t z = logit(s[i][j], positive, &slope);
@@ -383,8 +410,8 @@ __global__ void __launch_bounds__(kGradThreads, 1) gradient_kernel(
           const int k = e / Shape::kDChunk;
           const int d = e % Shape::kDChunk;
           const int64_t row = col0 + k0 + k;
-          f_smem[k][d] = (row < batch && d0 + d < dim)
-              ? static_cast<acc_t>(features[row * dim + d0 + d])
+          f_smem[k][d] = (row < n_cols && d0 + d < dim)
+              ? static_cast<acc_t>(cols[row * dim + d0 + d])
               : acc_t(0);
         }
         __syncthreads();
@@ -405,7 +432,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gradient_kernel(
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int64_t row = row0 + gy * 4 + i;
-      if (row >= batch) continue;
+      if (row >= n_rows) continue;
 #pragma unroll
       for (int j = 0; j < Shape::kCols; ++j) {
         const int64_t d = d0 + gx + 32 * j;
@@ -430,45 +457,50 @@ __global__ void sum_slices_kernel(
   }
 }
 
-struct Prepared {
-  at::Tensor features; // (B, D) contiguous, input dtype
-  at::Tensor labels; // (B,) contiguous int64
-  int64_t batch;
-  int64_t dim;
-  int64_t blocks;
+// One block of rows as the kernels read it.
+struct Block {
+  at::Tensor features; // (N, D) contiguous, input dtype
+  at::Tensor labels; // (N,) contiguous int64
+  int64_t size() const { return features.size(0); }
+  int64_t blocks() const { return (size() + kTile - 1) / kTile; }
 };
 
-Prepared prepare(const at::Tensor& features, const at::Tensor& labels) {
-  Prepared p{features.contiguous(), labels.to(at::kLong).contiguous(), features.size(0), features.size(1), 0};
-  p.blocks = (p.batch + kTile - 1) / kTile;
-  return p;
+Block prepare(const at::Tensor& features, const at::Tensor& labels) {
+  return {features.contiguous(), labels.to(at::kLong).contiguous()};
 }
 
-// Runs the LSE pass and the finalisation; returns scalars (LSE_P, LSE_N,
-// loss, 2σ(Z)) as a float64 device tensor and writes the loss.
+template <typename T>
+at::ScalarType dtype_of() {
+  return c10::CppTypeToScalarType<T>::value;
+}
+
+// Per-tile LSE partials of rows × colsᵀ, (tiles, 4) in the accumulation type.
 template <typename scalar_t>
-at::Tensor launch_loss(const Prepared& p, double margin, double gamma, at::Tensor& loss) {
+at::Tensor launch_lse_tiles(const Block& rows, const Block& cols, bool symmetric, double margin, double gamma) {
   using acc_t = typename Acc<scalar_t>::type;
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t tiles = p.blocks * (p.blocks + 1) / 2;
-  at::Tensor partials = at::empty({tiles, 4}, p.features.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-  at::Tensor scalars = at::empty({4}, p.features.options().dtype(at::kDouble));
-  const PairLogit<acc_t> logit{static_cast<acc_t>(margin), static_cast<acc_t>(gamma)};
+  const int64_t tiles = symmetric ? rows.blocks() * (rows.blocks() + 1) / 2 : rows.blocks() * cols.blocks();
+  at::Tensor partials = at::empty({tiles, 4}, rows.features.options().dtype(dtype_of<acc_t>()));
   if (tiles > 0) {
-    lse_tiles_kernel<scalar_t><<<static_cast<unsigned>(tiles), kLseThreads, 0, stream>>>(
-        p.features.data_ptr<scalar_t>(), p.labels.data_ptr<int64_t>(), p.batch, p.dim, p.blocks,
-        logit, partials.data_ptr<acc_t>());
+    lse_tiles_kernel<scalar_t><<<static_cast<unsigned>(tiles), kLseThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        rows.features.data_ptr<scalar_t>(), rows.labels.data_ptr<int64_t>(), rows.size(),
+        cols.features.data_ptr<scalar_t>(), cols.labels.data_ptr<int64_t>(), cols.size(),
+        rows.features.size(1), symmetric,
+        PairLogit<acc_t>{static_cast<acc_t>(margin), static_cast<acc_t>(gamma)}, partials.data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  finalize_kernel<scalar_t><<<1, kFinalizeThreads, 0, stream>>>(
-      partials.data_ptr<acc_t>(), tiles, scalars.data_ptr<double>(), loss.data_ptr<scalar_t>());
+  return partials;
+}
+
+template <typename partial_t, typename loss_t>
+void launch_finalize(const at::Tensor& partials, double* folded, double* scalars, loss_t* loss) {
+  finalize_kernel<partial_t, loss_t><<<1, kFinalizeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      partials.data_ptr<partial_t>(), partials.size(0), folded, scalars, loss);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return scalars;
 }
 
 template <typename scalar_t, typename out_t>
 void launch_gradient_kernel(
-    const Prepared& p, int64_t slices, int64_t blocks_per_slice,
+    const Block& rows, const Block& cols, int64_t slices, int64_t blocks_per_slice,
     const PairLogit<typename Acc<scalar_t>::type>& logit, const at::Tensor& scalars, out_t* out) {
   using acc_t = typename Acc<scalar_t>::type;
   constexpr size_t smem = gradient_smem_bytes<acc_t>();
@@ -476,39 +508,53 @@ void launch_gradient_kernel(
   // allowed during graph capture).
   C10_CUDA_CHECK(cudaFuncSetAttribute(
       gradient_kernel<scalar_t, out_t>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid(static_cast<unsigned>(p.blocks), static_cast<unsigned>(slices));
+  const dim3 grid(static_cast<unsigned>(rows.blocks()), static_cast<unsigned>(slices));
   gradient_kernel<scalar_t, out_t><<<grid, kGradThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
-      p.features.data_ptr<scalar_t>(), p.labels.data_ptr<int64_t>(), p.batch, p.dim,
-      blocks_per_slice, logit, scalars.data_ptr<double>(), out);
+      rows.features.data_ptr<scalar_t>(), rows.labels.data_ptr<int64_t>(), rows.size(),
+      cols.features.data_ptr<scalar_t>(), cols.labels.data_ptr<int64_t>(), cols.size(),
+      rows.features.size(1), blocks_per_slice, logit, scalars.data_ptr<double>(), out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename scalar_t>
-at::Tensor launch_gradient(const Prepared& p, double margin, double gamma, const at::Tensor& scalars) {
+// Σ_j G_ij cols_j for the rows, as an (R, D) tensor of out_t.
+template <typename scalar_t, typename out_t>
+at::Tensor launch_gradient(const Block& rows, const Block& cols, double margin, double gamma, const at::Tensor& scalars) {
   using acc_t = typename Acc<scalar_t>::type;
-  at::Tensor grad = at::empty({p.batch, p.dim}, p.features.options());
-  if (p.batch == 0 || p.dim == 0) return grad;
+  const int64_t dim = rows.features.size(1);
+  at::Tensor grad = at::empty({rows.size(), dim}, rows.features.options().dtype(dtype_of<out_t>()));
+  if (rows.size() == 0 || dim == 0) return grad;
+  if (cols.size() == 0) return grad.zero_();
   const PairLogit<acc_t> logit{static_cast<acc_t>(margin), static_cast<acc_t>(gamma)};
   // Enough CTAs to fill the GPU twice over: small batches split the column
   // blocks into slices whose partial sums are added afterwards, in order.
   int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.features.get_device()));
-  const int64_t wanted = (2 * sms + p.blocks - 1) / p.blocks;
-  const int64_t blocks_per_slice = (p.blocks + std::min(wanted, p.blocks) - 1) / std::min(wanted, p.blocks);
-  const int64_t slices = (p.blocks + blocks_per_slice - 1) / blocks_per_slice;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, rows.features.get_device()));
+  const int64_t wanted = std::min((2 * sms + rows.blocks() - 1) / rows.blocks(), cols.blocks());
+  const int64_t blocks_per_slice = (cols.blocks() + wanted - 1) / wanted;
+  const int64_t slices = (cols.blocks() + blocks_per_slice - 1) / blocks_per_slice;
   if (slices == 1) {
-    launch_gradient_kernel<scalar_t, scalar_t>(p, 1, blocks_per_slice, logit, scalars, grad.data_ptr<scalar_t>());
+    launch_gradient_kernel<scalar_t, out_t>(rows, cols, 1, blocks_per_slice, logit, scalars, grad.data_ptr<out_t>());
     return grad;
   }
-  at::Tensor partial = at::empty({slices, p.batch, p.dim}, p.features.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-  launch_gradient_kernel<scalar_t, acc_t>(p, slices, blocks_per_slice, logit, scalars, partial.data_ptr<acc_t>());
-  const int64_t elements = p.batch * p.dim;
+  at::Tensor partial = at::empty({slices, rows.size(), dim}, rows.features.options().dtype(dtype_of<acc_t>()));
+  launch_gradient_kernel<scalar_t, acc_t>(rows, cols, slices, blocks_per_slice, logit, scalars, partial.data_ptr<acc_t>());
+  const int64_t elements = rows.size() * dim;
   const int threads = 256;
   const int64_t grid = std::min<int64_t>((elements + threads - 1) / threads, 4 * sms);
-  sum_slices_kernel<acc_t, scalar_t><<<grid, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      partial.data_ptr<acc_t>(), slices, elements, grad.data_ptr<scalar_t>());
+  sum_slices_kernel<acc_t, out_t><<<grid, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      partial.data_ptr<acc_t>(), slices, elements, grad.data_ptr<out_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return grad;
+}
+
+// (LSE_P, LSE_N, loss, 2σ(Z)) as a float64 device tensor; writes the loss.
+template <typename scalar_t>
+at::Tensor launch_loss(const Block& block, double margin, double gamma, at::Tensor& loss) {
+  using acc_t = typename Acc<scalar_t>::type;
+  const at::Tensor partials = launch_lse_tiles<scalar_t>(block, block, /*symmetric=*/true, margin, gamma);
+  at::Tensor scalars = at::empty({4}, block.features.options().dtype(at::kDouble));
+  launch_finalize<acc_t, scalar_t>(partials, nullptr, scalars.data_ptr<double>(), loss.data_ptr<scalar_t>());
+  return scalars;
 }
 
 at::Tensor loss_cuda(
@@ -518,10 +564,10 @@ at::Tensor loss_cuda(
     double gamma) {
   check_inputs(features, labels, margin, gamma);
   const c10::cuda::CUDAGuard guard(features.device());
-  const Prepared p = prepare(features, labels);
+  const Block block = prepare(features, labels);
   at::Tensor loss = at::empty({}, features.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_loss_cuda", [&] {
-    launch_loss<scalar_t>(p, margin, gamma, loss);
+    launch_loss<scalar_t>(block, margin, gamma, loss);
   });
   return loss;
 }
@@ -533,14 +579,61 @@ std::tuple<at::Tensor, at::Tensor> loss_with_grad_cuda(
     double gamma) {
   check_inputs(features, labels, margin, gamma);
   const c10::cuda::CUDAGuard guard(features.device());
-  const Prepared p = prepare(features, labels);
+  const Block block = prepare(features, labels);
   at::Tensor loss = at::empty({}, features.options());
   at::Tensor grad;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_loss_with_grad_cuda", [&] {
-    const at::Tensor scalars = launch_loss<scalar_t>(p, margin, gamma, loss);
-    grad = launch_gradient<scalar_t>(p, margin, gamma, scalars);
+    const at::Tensor scalars = launch_loss<scalar_t>(block, margin, gamma, loss);
+    grad = launch_gradient<scalar_t, scalar_t>(block, block, margin, gamma, scalars);
   });
   return {loss, grad};
+}
+
+at::Tensor lse_partials_cuda(
+    const at::Tensor& rows, // (R, D)
+    const at::Tensor& row_labels, // (R,)
+    const at::Tensor& cols, // (C, D)
+    const at::Tensor& col_labels, // (C,)
+    double margin,
+    double gamma) {
+  check_block_inputs(rows, row_labels, cols, col_labels, margin, gamma);
+  const c10::cuda::CUDAGuard guard(rows.device());
+  at::Tensor folded = at::empty({4}, rows.options().dtype(at::kDouble));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, rows.scalar_type(), "circle_lse_partials_cuda", [&] {
+    using acc_t = typename Acc<scalar_t>::type;
+    const at::Tensor partials = launch_lse_tiles<scalar_t>(
+        prepare(rows, row_labels), prepare(cols, col_labels), /*symmetric=*/false, margin, gamma);
+    launch_finalize<acc_t, float>(partials, folded.data_ptr<double>(), nullptr, nullptr);
+  });
+  return folded;
+}
+
+at::Tensor lse_finish_cuda(const at::Tensor& partials) { // (n, 4)
+  check_partials(partials);
+  const c10::cuda::CUDAGuard guard(partials.device());
+  at::Tensor scalars = at::empty({4}, partials.options());
+  launch_finalize<double, float>(partials.contiguous(), nullptr, scalars.data_ptr<double>(), nullptr);
+  return scalars;
+}
+
+at::Tensor block_grad_cuda(
+    const at::Tensor& rows, // (R, D)
+    const at::Tensor& row_labels, // (R,)
+    const at::Tensor& cols, // (C, D)
+    const at::Tensor& col_labels, // (C,)
+    const at::Tensor& scalars, // (4,)
+    double margin,
+    double gamma) {
+  check_block_inputs(rows, row_labels, cols, col_labels, margin, gamma);
+  check_scalars(scalars, rows.device());
+  const c10::cuda::CUDAGuard guard(rows.device());
+  at::Tensor grad;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, rows.scalar_type(), "circle_block_grad_cuda", [&] {
+    using acc_t = typename Acc<scalar_t>::type;
+    grad = launch_gradient<scalar_t, acc_t>(
+        prepare(rows, row_labels), prepare(cols, col_labels), margin, gamma, scalars.contiguous());
+  });
+  return grad;
 }
 
 } // namespace
@@ -548,6 +641,9 @@ std::tuple<at::Tensor, at::Tensor> loss_with_grad_cuda(
 TORCH_LIBRARY_IMPL(circle, CUDA, m) {
   m.impl("loss", &loss_cuda);
   m.impl("_loss_with_grad", &loss_with_grad_cuda);
+  m.impl("_lse_partials", &lse_partials_cuda);
+  m.impl("_lse_finish", &lse_finish_cuda);
+  m.impl("_block_grad", &block_grad_cuda);
 }
 
 } // namespace circle_loss

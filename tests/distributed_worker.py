@@ -1,0 +1,73 @@
+"""One rank of a distributed circle loss check, started by tests/test_distributed.py
+(or by hand on a multi-GPU machine):
+
+    python tests/distributed_worker.py RANK WORLD PORT OUT_DIR [--backend nccl --device cuda]
+
+Every rank builds the same global batch from a fixed seed, takes its rows
+(uneven split, possibly none), computes circle_loss.distributed.loss and its
+gradient, and saves them to OUT_DIR/rank<RANK>.pt.
+"""
+
+import argparse
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+import circle_loss
+import circle_loss.distributed
+
+
+def split_sizes(batch: int, world: int) -> list[int]:
+    """Uneven on purpose: rank 1 of 3 or more gets nothing."""
+    weights = [w + 1 for w in range(world)]
+    if world >= 3:
+        weights[1] = 0
+    sizes = [batch * w // sum(weights) for w in weights]
+    sizes[-1] += batch - sum(sizes)
+    return sizes
+
+
+def global_batch(batch, dim, dtype, device):
+    generator = torch.Generator().manual_seed(1234)
+    features = torch.nn.functional.normalize(torch.randn(batch, dim, generator=generator, dtype=torch.float64), dim=1)
+    labels = torch.randint(0, 12, (batch,), generator=generator)
+    return features.to(device=device, dtype=dtype), labels.to(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("rank", type=int)
+    parser.add_argument("world", type=int)
+    parser.add_argument("port", type=int)
+    parser.add_argument("out")
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, default=300)
+    parser.add_argument("--dim", type=int, default=32)
+    args = parser.parse_args()
+    device = torch.device(args.device, args.rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        args.backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+        world_size=args.world, timeout=datetime.timedelta(seconds=120),
+    )
+    sizes = split_sizes(args.batch, args.world)
+    first = sum(sizes[: args.rank])
+    results = {}
+    for dtype in (torch.float64, torch.float32):
+        features, labels = global_batch(args.batch, args.dim, dtype, device)
+        rows = features[first : first + sizes[args.rank]].clone().requires_grad_()
+        loss = circle_loss.distributed.loss(rows, labels[first : first + sizes[args.rank]], 0.25, 64.0)
+        loss.backward()
+        with torch.no_grad():
+            no_grad_loss = circle_loss.distributed.CircleLoss(0.25, 64.0)(rows, labels[first : first + sizes[args.rank]])
+        results[str(dtype)] = dict(loss=loss.detach().cpu(), no_grad_loss=no_grad_loss.cpu(), grad=rows.grad.cpu(), first=first)
+    torch.save(results, os.path.join(args.out, f"rank{args.rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

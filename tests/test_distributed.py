@@ -1,0 +1,113 @@
+"""circle_loss.distributed in real multi-process runs (gloo on CPU): the global
+loss and each rank's gradient equal the single-process op on the whole batch."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import circle_loss
+import circle_loss.distributed
+from distributed_worker import global_batch, split_sizes
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}  # relative, vs the single-process op
+
+
+def free_port() -> int:
+    # Port 0: the kernel picks one no other run holds right now.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world, out_dir, extra=()):
+    port = free_port()
+    # NVLink multicast stays off: on shared machines it can take the GPUs down.
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), str(out_dir), *extra],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for r in range(world)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
+
+
+def check_against_single_process(results, world, device):
+    sizes = split_sizes(300, world)
+    assert (0 in sizes) == (world >= 3)
+    for dtype in (torch.float64, torch.float32):
+        features, labels = global_batch(300, 32, dtype, device)
+        x = features.clone().requires_grad_()
+        expected = torch.ops.circle.loss(x, labels, 0.25, 64.0)
+        expected.backward()
+        grads = []
+        for r, result in enumerate(results):
+            got = result[str(dtype)]
+            assert got["loss"].item() == pytest.approx(expected.item(), rel=TOLERANCE[dtype])
+            assert torch.equal(got["loss"], results[0][str(dtype)]["loss"])  # every rank: the same bits
+            assert torch.equal(got["no_grad_loss"], got["loss"])
+            assert got["grad"].shape == (sizes[r], 32)
+            grads.append(got["grad"])
+        full = torch.cat(grads).to(device)
+        assert ((full - x.grad).norm() / x.grad.norm()).item() <= TOLERANCE[dtype]
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_ranks_match_single_process(world, tmp_path):
+    check_against_single_process(run_ranks(world, tmp_path), world, "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(), reason="needs 2 GPUs and NCCL")
+def test_nccl_ranks_match_single_process(tmp_path):
+    results = run_ranks(2, tmp_path, extra=("--backend", "nccl", "--device", "cuda"))
+    check_against_single_process(results, 2, "cuda")
+
+
+def test_bad_input_is_refused_before_any_collective():
+    # No process group at all: the checks must fire first.
+    with pytest.raises(RuntimeError, match="labels must have one entry per row"):
+        circle_loss.distributed.loss(torch.randn(4, 3), torch.zeros(5, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="gamma must be a finite float"):
+        circle_loss.distributed.loss(torch.randn(4, 3), torch.zeros(4, dtype=torch.long), gamma=float("inf"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_block_ops_compose_to_the_op(device, dtype):
+    tol = TOLERANCE[dtype]
+    features, labels = global_batch(130, 16, dtype, device)
+    halves = [(features[:50], labels[:50]), (features[50:], labels[50:])]
+    partials = torch.stack([torch.ops.circle._lse_partials(r, rl, c, cl, 0.25, 64.0)
+                            for r, rl in halves for c, cl in halves])
+    scalars = torch.ops.circle._lse_finish(partials)
+    assert scalars[2].item() == pytest.approx(torch.ops.circle.loss(features, labels, 0.25, 64.0).item(), rel=tol)
+    grad = torch.cat([sum(torch.ops.circle._block_grad(r, rl, c, cl, scalars, 0.25, 64.0) for c, cl in halves)
+                      for r, rl in halves])
+    _, expected = torch.ops.circle._loss_with_grad(features, labels, 0.25, 64.0)
+    assert ((grad - expected).norm() / expected.norm()).item() <= tol
+
+
+def test_block_ops_opcheck(device):
+    rows, row_labels = global_batch(40, 8, torch.float32, device)
+    cols, col_labels = rows[:25].clone(), row_labels[:25].clone()
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.circle._lse_partials.default, (rows, row_labels, cols, col_labels, 0.25, 64.0), test_utils=tests)
+    partials = torch.ops.circle._lse_partials(rows, row_labels, cols, col_labels, 0.25, 64.0)
+    scalars = torch.ops.circle._lse_finish(partials[None])
+    torch.library.opcheck(torch.ops.circle._lse_finish.default, (partials[None],), test_utils=tests)
+    torch.library.opcheck(torch.ops.circle._block_grad.default, (rows, row_labels, cols, col_labels, scalars, 0.25, 64.0), test_utils=tests)
