@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # On a CUDA machine with torch already installed: build and install the
-# package, run the whole test suite, compute-sanitizer (memcheck, racecheck)
-# over the CUDA tests, then the benchmark. Logs go to $OUT (or ./gpu_logs).
-#   bash scripts/gpu_check.sh [tests|sanitize|bench ...]   (default: all three)
+# package, then run the steps asked for (default: tests sanitize bench):
+#   tests          the whole test suite
+#   tests-by-file  the same, one process per file (isolates a crash)
+#   sanitize       compute-sanitizer memcheck and racecheck over the CUDA tests
+#   bench          bench/bench.py (fp32 sizes, then bf16/fp16 at B = 16384)
+#   distributed    with 2+ GPUs: the NCCL test and bench/bench_distributed.py
+# Logs are packed into $OUT/gpu_logs.tgz (or ./gpu_logs).
+#   bash scripts/gpu_check.sh [step ...]
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -58,7 +63,7 @@ for step in "${steps[@]}"; do
       python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py 2>&1 | tee "$out/pytest_distributed.log" | tail -3
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" bench/bench_distributed.py \
-        --per-rank 4096 16384 --out "$out" 2>&1 | tee "$out/bench_distributed.log" | tail -9 ;;
+        --per-rank 4096 16384 --global 32768 --out "$out" 2>&1 | tee "$out/bench_distributed.log" | tail -16 ;;
     bench)
       python3 bench/bench.py --device cuda --sizes 256 4096 16384 65536 --max-reference-batch 16384 \
         --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_fp32.log" | tail -22
