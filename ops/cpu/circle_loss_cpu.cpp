@@ -90,7 +90,7 @@ std::array<LseAccumulator, 2> tile_lse(
   auto fold_max = [](const std::vector<T>& v) {
     T m = -std::numeric_limits<T>::infinity();
     for (T x : v) {
-      m = (x > m || x != x || m != m) ? (m != m ? m : x) : m;
+      m = (x > m || x != x) ? x : m; // once NaN, no x compares greater
     }
     return m;
   };
