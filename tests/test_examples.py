@@ -38,10 +38,13 @@ def test_train_digits_compiled_step(tmp_path):
 
 
 def test_cpp_program_prints_the_python_loss(tmp_path):
+    """TorchScript and the AOTInductor package, both run from C++ with no Python."""
     out = run(["bash", "examples/cpp/run.sh"], env=dict(os.environ, WORK_DIR=str(tmp_path), PYTHON=sys.executable))
     python_loss = float(re.search(r"^python loss (\S+)$", out, re.M).group(1))
     cpp_loss = float(re.search(r"^loss (\S+)$", out, re.M).group(1))
+    aoti_loss = float(re.search(r"^aoti loss (\S+)$", out, re.M).group(1))
     assert cpp_loss == pytest.approx(python_loss, rel=1e-6)
+    assert aoti_loss == pytest.approx(python_loss, rel=1e-6)
 
 
 class EmbeddingLoss(torch.nn.Module):

@@ -1,5 +1,6 @@
-"""Saves the TorchScript model and inputs that the C++ example runs, and
-prints the loss Python computes for them (`python loss <value>`)."""
+"""Saves the TorchScript model, its AOTInductor package (torch.export, then
+torch._inductor.aoti_compile_and_package) and the inputs that the C++ example
+runs, and prints the loss Python computes for them (`python loss <value>`)."""
 
 import sys
 from pathlib import Path
@@ -38,6 +39,9 @@ def main(out: Path) -> None:
     labels = torch.randint(0, 10, (200,))
     torch.jit.script(model).save(str(out / "model.pt"))
     torch.jit.script(Inputs(features, labels)).save(str(out / "inputs.pt"))
+    batch = torch.export.Dim("batch", min=2)
+    program = torch.export.export(model, (features, labels), dynamic_shapes=({0: batch}, {0: batch}))
+    torch._inductor.aoti_compile_and_package(program, package_path=str(out / "model.pt2"))
     with torch.no_grad():
         print(f"python loss {model(features, labels).item():.10g}")
 
