@@ -63,34 +63,48 @@ struct PairLogit {
 };
 
 // Log-sum-exp of one pair set kept as (max, sum of exp(z - max)): the form in
-// which partial results from tiles, threads, blocks or ranks combine.
-// An empty set is (-inf, 0). NaN in max propagates, as in PyTorch.
-struct LseAccumulator {
-  double max = -std::numeric_limits<double>::infinity();
-  double sum = 0.0;
+// which partial results from threads, tiles, blocks or ranks combine. An empty
+// set is (-inf, 0). NaN propagates, as in PyTorch. The one merge rule for the
+// CPU kernel, the CUDA kernels (T = float inside a CTA) and the final folds.
+template <typename T>
+struct LseState {
+  T max = -std::numeric_limits<T>::infinity();
+  T sum = T(0);
 
-  void merge(double other_max, double other_sum) {
-    if (other_sum == 0.0 && !std::isnan(other_max)) {
+  // One term: weight · exp(z).
+  CIRCLE_LOSS_HOST_DEVICE inline void add(T z, T weight) {
+    if (z > max) {
+      sum = sum * exp(max - z) + weight;
+      max = z;
+    } else {
+      sum += weight * exp(z - max); // a NaN z lands here and poisons the sum
+    }
+  }
+
+  CIRCLE_LOSS_HOST_DEVICE inline void merge(T other_max, T other_sum) {
+    const bool other_nan = other_max != other_max;
+    if (other_sum == T(0) && !other_nan) {
       return;
     }
-    if (std::isnan(other_max) || std::isnan(max)) {
-      max = std::numeric_limits<double>::quiet_NaN();
-      sum = std::numeric_limits<double>::quiet_NaN();
+    if (other_nan || max != max) {
+      max = std::numeric_limits<T>::quiet_NaN();
+      sum = std::numeric_limits<T>::quiet_NaN();
       return;
     }
     if (other_max > max) {
-      sum = sum * std::exp(max - other_max) + other_sum;
+      sum = sum * exp(max - other_max) + other_sum;
       max = other_max;
     } else {
-      sum += other_sum * std::exp(other_max - max);
+      sum += other_sum * exp(other_max - max);
     }
   }
 
-  double lse() const {
-    return sum == 0.0 ? -std::numeric_limits<double>::infinity()
-                      : max + std::log(sum);
+  CIRCLE_LOSS_HOST_DEVICE inline T lse() const {
+    return sum == T(0) ? -std::numeric_limits<T>::infinity() : max + log(sum);
   }
 };
+
+using LseAccumulator = LseState<double>;
 
 // What the two set-wise log-sum-exps give: the loss and the factor
 // 2·sigmoid(Z) by which each pair's softmax weight times slope enters
