@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import make_inputs
-from reference import assert_matches_reference
+from reference import TOLERANCE, assert_matches_reference, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -80,3 +80,27 @@ def test_non_default_device_index_and_non_contiguous():
         loss, grad = loss_and_grad(features, labels)
     assert loss.device == device and grad.device == device
     assert_matches_reference(loss, grad, base, labels)
+
+
+# Beyond 64 MiB of S the kernels work in several strips of rows, and the
+# gradient adds each strip's transposed share to the rows below it. B = 4500
+# gives 2 strips in float32 and bfloat16, 3 in float64.
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_several_strips_match_reference(dtype):
+    features, labels = make_inputs(4500, 24, 60, "cuda", dtype)
+    x = features.clone().requires_grad_()
+    loss, grad = loss_and_grad(x, labels)
+    assert_matches_reference(loss, grad, features, labels)
+    with torch.no_grad():  # the loss-only path takes the same first pass
+        assert torch.equal(torch.ops.circle.loss(features, labels), loss)
+
+
+def test_block_ops_over_several_strips():
+    features, labels = make_inputs(4500, 24, 60, "cuda")
+    loss, grad = torch.ops.circle._loss_with_grad(features, labels, 0.25, 256.0)
+    partials = torch.ops.circle._lse_partials(features, labels, features, labels, 0.25, 256.0)
+    scalars = torch.ops.circle._lse_finish(partials[None])
+    block_grad = torch.ops.circle._block_grad(features, labels, features, labels, scalars, 0.25, 256.0)
+    loss_tol, grad_tol = TOLERANCE[torch.float32]
+    assert relative_error(scalars[2], loss) <= loss_tol
+    assert relative_error(block_grad, grad) <= grad_tol
