@@ -282,6 +282,7 @@ def environment(args) -> dict:
         python=platform.python_version(),
         device=args.device,
         threads=torch.get_num_threads(),
+        float32_matmul_precision=torch.get_float32_matmul_precision(),
         command=" ".join([Path(sys.executable).name] + sys.argv),
     )
     if args.device == "cuda":
@@ -303,6 +304,8 @@ def main() -> None:
     parser.add_argument("--max-reference-batch", type=int, default=32768,
                         help="largest B at which the B×B-memory reference is attempted")
     parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
+    parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high", "medium"],
+                        help="torch.set_float32_matmul_precision: 'high' lets float32 GEMMs use TF32")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
     parser.add_argument("--cpu-memory-probe", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -312,6 +315,7 @@ def main() -> None:
         return
     if args.sizes is None:
         args.sizes = [256, 4096, 16384, 65536] if args.device == "cuda" else [256, 1024, 2048]
+    torch.set_float32_matmul_precision(args.matmul_precision)
     torch.manual_seed(0)
     rows = run(args)
     env = environment(args)
@@ -320,7 +324,8 @@ def main() -> None:
     print(" ".join(f"{k}={v}" for k, v in env.items()))
     print(md)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"bench_{args.device}_{args.dtype}"
+    precision = "" if args.matmul_precision == "highest" else f"_{args.matmul_precision}"
+    stem = args.out / f"bench_{args.device}_{args.dtype}{precision}"
     stem.with_suffix(".json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))

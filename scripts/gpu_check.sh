@@ -3,8 +3,9 @@
 # package, then run the steps asked for (default: tests sanitize bench):
 #   tests          the whole test suite
 #   tests-by-file  the same, one process per file (isolates a crash)
+#   tests-ops      the suite without tests/test_examples.py; examples: that file alone
 #   sanitize       compute-sanitizer memcheck and racecheck over the CUDA tests
-#   bench          bench/bench.py (fp32 sizes, then bf16/fp16 at B = 16384)
+#   bench          bench/bench.py (fp32 sizes, then bf16/fp16 and TF32-allowed fp32 at B = 16384)
 #   distributed    with 2+ GPUs: the NCCL test and bench/bench_distributed.py
 # Logs are packed into $OUT/gpu_logs.tgz (or ./gpu_logs).
 #   bash scripts/gpu_check.sh [step ...]
@@ -42,6 +43,12 @@ for step in "${steps[@]}"; do
     tests)
       python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/pytest.log" | tail -15
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    tests-ops)  # the suite without the examples, which build C++ programs and take minutes
+      python3 -m pytest -q -p no:cacheprovider tests --ignore tests/test_examples.py 2>&1 | tee "$out/pytest_ops.log" | tail -5
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    examples)
+      python3 -m pytest -q -p no:cacheprovider tests/test_examples.py 2>&1 | tee "$out/pytest_examples.log" | tail -5
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     tests-by-file)  # one process per file: isolates a crash
       for file in tests/test_*.py; do
         python3 -m pytest -q -p no:cacheprovider "$file" > "$out/pytest_$(basename "$file" .py).log" 2>&1
@@ -50,8 +57,8 @@ for step in "${steps[@]}"; do
     sanitize)
       for tool in memcheck racecheck; do
         compute-sanitizer --tool "$tool" --error-exitcode 9 --target-processes all \
-          python3 -m pytest -q -p no:cacheprovider -x tests/test_correctness.py tests/test_distributed.py \
-          -k "cuda and (matches_reference or half_precision or empty or no_negative or nan or block_ops_compose)" \
+          python3 -m pytest -q -p no:cacheprovider -x tests/test_correctness.py tests/test_distributed.py tests/test_cuda.py \
+          -k "cuda and (matches_reference or half_precision or empty or no_negative or nan or block_ops_compose) or several_strips" \
           > "$out/sanitizer_$tool.log" 2>&1
         rc=$?
         echo "compute-sanitizer $tool: exit $rc; $(grep -E 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' ')"
@@ -65,12 +72,15 @@ for step in "${steps[@]}"; do
       torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" bench/bench_distributed.py \
         --per-rank 4096 16384 --global 32768 --out "$out" 2>&1 | tee "$out/bench_distributed.log" | tail -16 ;;
     bench)
-      python3 bench/bench.py --device cuda --sizes 256 4096 16384 65536 --max-reference-batch 16384 \
-        --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_fp32.log" | tail -22
+      python3 bench/bench.py --device cuda --sizes 256 4096 16384 65536 262144 --max-reference-batch 16384 \
+        --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_fp32.log" | tail -24
       for dtype in bfloat16 float16; do
         python3 bench/bench.py --device cuda --dtype "$dtype" --sizes 16384 --max-reference-batch 0 \
           --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_$dtype.log" | grep -E "^\| 16384|op "
-      done ;;
+      done
+      # float32 with TF32 GEMMs allowed, as torch.set_float32_matmul_precision("high") allows them
+      python3 bench/bench.py --device cuda --sizes 16384 --max-reference-batch 0 --matmul-precision high \
+        --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_fp32_tf32.log" | grep -E "^\| 16384|op " ;;
   esac
 done
 exit $status
