@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-import circle_loss  # noqa: F401  (registers torch.ops.circle)
+from bench import make_inputs  # bench/bench.py, beside this script
 
 
 def main() -> None:
@@ -23,8 +22,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20)
     args = parser.parse_args()
     for batch in args.sizes:
-        features = F.normalize(torch.randn(batch, args.dim, device="cuda"), dim=1).to(getattr(torch, args.dtype))
-        labels = torch.randint(0, 100, (batch,), device="cuda")
+        features, labels = make_inputs(batch, args.dim, getattr(torch, args.dtype), "cuda", classes=100)
         leaf = features.clone().requires_grad_()
 
         def forward():
