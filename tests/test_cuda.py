@@ -16,7 +16,7 @@ def loss_and_grad(features, labels):
     return loss, grad
 
 
-@pytest.mark.parametrize("batch", [1, 200, 700])
+@pytest.mark.parametrize("batch", [1, 200, 700, 4500])  # 4500: several strips (below)
 def test_cuda_graph_capture_and_replay(batch):
     static_x, static_y = make_inputs(batch, 48, 9, "cuda")
     static_x.requires_grad_()
@@ -39,8 +39,9 @@ def test_cuda_graph_capture_and_replay(batch):
         assert_matches_reference(static_loss, static_grad, x, y)
 
 
-def test_bitwise_deterministic_across_streams():
-    features, labels = make_inputs(1500, 96, 30, "cuda")
+@pytest.mark.parametrize("batch", [1500, 4500])
+def test_bitwise_deterministic_across_streams(batch):
+    features, labels = make_inputs(batch, 96, 30, "cuda")
     features.requires_grad_()
     expected = loss_and_grad(features, labels)
     for _ in range(3):
@@ -82,9 +83,10 @@ def test_non_default_device_index_and_non_contiguous():
     assert_matches_reference(loss, grad, base, labels)
 
 
-# Beyond 64 MiB of S the kernels work in several strips of rows, and the
-# gradient adds each strip's transposed share to the rows below it. B = 4500
-# gives 2 strips in float32 and bfloat16, 3 in float64.
+# Beyond 64 MiB of S the kernels work in several strips of rows, form each
+# strip once, and take negative weights against a running maximum that later
+# strips may raise; positive pairs are done class by class. B = 4500 gives 2
+# strips in float32 and bfloat16, 3 in float64.
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_several_strips_match_reference(dtype):
     features, labels = make_inputs(4500, 24, 60, "cuda", dtype)
@@ -104,3 +106,39 @@ def test_block_ops_over_several_strips():
     loss_tol, grad_tol = TOLERANCE[torch.float32]
     assert relative_error(scalars[2], loss) <= loss_tol
     assert relative_error(block_grad, grad) <= grad_tol
+
+
+def plant_pair(features, first, second, similarity):
+    """Makes rows first and second unit vectors whose dot product is similarity."""
+    base = torch.nn.functional.normalize(features[first], dim=0)
+    other = features[second] - (features[second] @ base) * base
+    other = torch.nn.functional.normalize(other, dim=0)
+    features[first] = base
+    features[second] = similarity * base + (1 - similarity**2) ** 0.5 * other
+
+
+@pytest.mark.parametrize("layout", ["two classes", "one class", "largest logit in the last strip", "nan"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_several_strips_edge_cases(layout, dtype):
+    batch = 4500
+    classes = {"two classes": 2, "one class": 1}.get(layout, 60)
+    features, labels = make_inputs(batch, 64, classes, "cuda", torch.float64)
+    if layout == "largest logit in the last strip":
+        # Negative pairs far above the rest (s ≈ 0.66 at most at D = 64), one in
+        # the first strip and one, whose logit is 3 higher, only in the last:
+        # the first strip's weights are rescaled by exp(-3), not ignored.
+        labels[:2] = torch.tensor([0, 1])
+        labels[-2:] = torch.tensor([0, 1])
+        plant_pair(features, 0, 1, 0.9)
+        plant_pair(features, batch - 2, batch - 1, (0.9**2 + 3 / 256.0) ** 0.5)
+    if layout == "nan":
+        features[batch - 7, 5] = float("nan")
+    features = features.to(dtype)
+    x = features.clone().requires_grad_()
+    loss, grad = loss_and_grad(x, labels)
+    if layout == "nan":
+        assert torch.isnan(loss) and torch.isnan(grad).any()
+    elif layout == "one class":
+        assert loss.item() == 0 and torch.count_nonzero(grad).item() == 0
+    else:
+        assert_matches_reference(loss, grad, features, labels)

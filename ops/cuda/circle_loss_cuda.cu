@@ -12,9 +12,17 @@
 //                         the LSEs, the loss and 2σ(Z).
 //   strip_weights_kernel  turns a strip of S into gradient weights
 //                         W = 2σ(Z)·exp(z - LSE)·c (SPEC.md, "Gradient").
-// The gradient of the strip's rows is then W·F_[r0, B), and the columns right
-// of the strip's diagonal block get their share as Wᵀ·F_strip: the symmetry is
-// used in both passes (2·B²·D multiply-adds for loss and gradient).
+// The gradient of a strip's rows is then W·F_[r0, B), and the rows right of
+// the strip's diagonal block get their share as Wᵀ·F_strip.
+//
+// With one strip (B ≤ 4 096 in float32) the gradient pass reuses the S the
+// loss pass left. With several, S is formed once, not once per pass: the
+// negative pairs' weights are taken against a running maximum of their logits
+// (online rescaling, SPEC.md "Gradient"; running_max_kernel, rescale_kernel)
+// while the loss's LSEs are still being summed, and the positive pairs, a
+// class's worth per row, are done afterwards within their classes with the
+// exact LSE_P (positive_band_kernel over the rows sorted by label).
+//
 // No atomics: every reduction runs in a fixed order, cuBLAS is reproducible on
 // a given GPU, so results are bitwise the same from run to run. Nothing waits
 // for the host: the LSEs stay on the device and the op can be graph-captured.
@@ -24,6 +32,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/sort.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -103,7 +112,9 @@ int multiprocessors(const at::Tensor& on) {
 }
 
 // Calls visit(r, c, s_rc, is_positive) for this thread's entries of a strip.
-// Column labels are read once per thread, row labels once per row.
+// Column labels are read once per thread, row labels once per row; the
+// entries of kRowsInFlight rows (64 bytes a thread) are loaded before any is
+// visited, so that enough loads are in flight to stream S at the memory's speed.
 template <typename acc_t, typename Visit>
 __device__ __forceinline__ void for_each_entry(
     const acc_t* __restrict__ s, // (rows, cols)
@@ -112,6 +123,7 @@ __device__ __forceinline__ void for_each_entry(
     const int64_t* __restrict__ row_labels, // (rows,)
     const int64_t* __restrict__ col_labels, // (cols,)
     Visit visit) {
+  constexpr int kRowsInFlight = 16 / sizeof(acc_t);
   int64_t col[kColsPerThread];
   int64_t col_label[kColsPerThread];
 #pragma unroll
@@ -119,11 +131,25 @@ __device__ __forceinline__ void for_each_entry(
     col[k] = blockIdx.x * kColsPerCta + k * kThreads + threadIdx.x;
     col_label[k] = col[k] < cols ? col_labels[col[k]] : 0;
   }
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const int64_t row_label = row_labels[r];
+  for (int64_t r0 = blockIdx.y; r0 < rows; r0 += static_cast<int64_t>(gridDim.y) * kRowsInFlight) {
+    int64_t row_label[kRowsInFlight];
+    acc_t value[kRowsInFlight][kColsPerThread];
 #pragma unroll
-    for (int k = 0; k < kColsPerThread; ++k) {
-      if (col[k] < cols) visit(r, col[k], s[r * cols + col[k]], row_label == col_label[k]);
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      const int64_t r = r0 + u * static_cast<int64_t>(gridDim.y);
+      row_label[u] = r < rows ? row_labels[r] : 0;
+#pragma unroll
+      for (int k = 0; k < kColsPerThread; ++k) {
+        value[u][k] = r < rows && col[k] < cols ? s[r * cols + col[k]] : acc_t(0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      const int64_t r = r0 + u * static_cast<int64_t>(gridDim.y);
+#pragma unroll
+      for (int k = 0; k < kColsPerThread; ++k) {
+        if (r < rows && col[k] < cols) visit(r, col[k], value[u][k], row_label[u] == col_label[k]);
+      }
     }
   }
 }
@@ -240,9 +266,25 @@ __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(
   }
 }
 
-// weights = 2σ(Z)·exp(z - LSE of its set)·dz/ds for every entry of the strip
-// (SPEC.md, "Gradient"; the factor 2 of dloss/dF = 2 G F included). May write
-// in place (weights == s) when weight_t is acc_t.
+// exp(from - to) for two stabilisers of one pair set, from <= to: 1 when they
+// are equal, which includes both being -inf (no pair of the set seen yet).
+template <typename T>
+__device__ __forceinline__ T stabiliser_ratio(T from, T to) {
+  return from == to ? T(1) : exp(from - to);
+}
+
+// Largest of a and b; NaN if either is.
+template <typename T>
+__device__ __forceinline__ T nan_max(T a, T b) {
+  return a > b || a != a ? a : b;
+}
+
+// Gradient weights for every entry of the strip (SPEC.md, "Gradient"):
+//   negative_max null: W = 2σ(Z)·exp(z - LSE of its set)·dz/ds, the factor 2
+//                      of dloss/dF = 2 G F included;
+//   otherwise:         W = exp(z - *negative_max)·dz/ds for negative pairs
+//                      and 0 for positive ones (the one-pass gradient).
+// May write in place (weights == s) when weight_t is acc_t.
 template <typename acc_t, typename weight_t>
 __global__ void __launch_bounds__(kThreads) strip_weights_kernel(
     const acc_t* s, // (rows, cols)
@@ -252,16 +294,211 @@ __global__ void __launch_bounds__(kThreads) strip_weights_kernel(
     const int64_t* __restrict__ col_labels, // (cols,)
     PairLogit<acc_t> logit,
     const double* __restrict__ scalars, // (LSE_P, LSE_N, loss, 2σ(Z))
+    const acc_t* __restrict__ negative_max, // () or null
     weight_t* weights) { // (rows, cols)
-  const acc_t lse_positive = static_cast<acc_t>(scalars[0]);
-  const acc_t lse_negative = static_cast<acc_t>(scalars[1]);
-  const acc_t scale = static_cast<acc_t>(scalars[3]);
+  const bool negatives_only = negative_max != nullptr;
+  const acc_t lse_positive = negatives_only ? acc_t(0) : static_cast<acc_t>(scalars[0]);
+  const acc_t lse_negative = negatives_only ? *negative_max : static_cast<acc_t>(scalars[1]);
+  const acc_t scale = negatives_only ? acc_t(1) : static_cast<acc_t>(scalars[3]);
   for_each_entry(s, rows, cols, row_labels, col_labels, [&](int64_t r, int64_t c, acc_t s_rc, bool is_positive) {
     acc_t slope;
     const acc_t z = logit(s_rc, is_positive, &slope);
-    weights[r * cols + c] =
-        static_cast<weight_t>(scale * exp(z - (is_positive ? lse_positive : lse_negative)) * slope);
+    const acc_t w = scale * exp(z - (is_positive ? lse_positive : lse_negative)) * slope;
+    weights[r * cols + c] = static_cast<weight_t>(is_positive && negatives_only ? acc_t(0) : w);
   });
+}
+
+// negative_max[strip] = max(negative_max[strip - 1], the largest negative
+// logit of this strip), from the strip's LSE partials: the stabiliser of its
+// negative weights.
+template <typename acc_t>
+__global__ void __launch_bounds__(kFinalizeThreads) running_max_kernel(
+    const acc_t* __restrict__ partials, // (n, 4): this strip's
+    int64_t n,
+    acc_t* __restrict__ negative_max, // (strips,)
+    int64_t strip) {
+  __shared__ acc_t shared[kFinalizeThreads];
+  acc_t largest = strip > 0 ? negative_max[strip - 1] : -std::numeric_limits<acc_t>::infinity();
+  for (int64_t t = threadIdx.x; t < n; t += kFinalizeThreads) {
+    largest = nan_max(largest, partials[4 * t + 2]);
+  }
+  shared[threadIdx.x] = largest;
+  __syncthreads();
+  for (int stride = kFinalizeThreads / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) shared[threadIdx.x] = nan_max(shared[threadIdx.x], shared[threadIdx.x + stride]);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) negative_max[strip] = shared[0];
+}
+
+// Brings the rows that are still accumulating negative weights from the
+// previous strip's stabiliser to this strip's: values *= exp(previous - current).
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads) rescale_kernel(
+    acc_t* __restrict__ values, // (n,)
+    int64_t n,
+    const acc_t* __restrict__ negative_max) { // (previous, current)
+  const acc_t previous = negative_max[0];
+  const acc_t current = negative_max[1];
+  if (previous == current) return; // the usual case once the largest logit has been seen
+  const acc_t factor = stabiliser_ratio(previous, current);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    values[i] *= factor;
+  }
+}
+
+// First index in sorted[0, n) whose value is not below (strictly_above: is
+// above) value.
+__device__ __forceinline__ int64_t search_sorted(const int64_t* sorted, int64_t n, int64_t value, bool strictly_above) {
+  int64_t low = 0;
+  while (n > 0) {
+    const int64_t half = n / 2;
+    const int64_t probe = sorted[low + half];
+    if (probe < value || (strictly_above && probe == value)) {
+      low += half + 1;
+      n -= half + 1;
+    } else {
+      n = half;
+    }
+  }
+  return low;
+}
+
+// Positive pairs of the one-pass gradient. With the rows sorted by label, a
+// CTA's kBandRows rows meet their class members in one contiguous span of
+// sorted positions, which it walks kBandCols members at a time: the dot
+// products, staged through shared memory kBandChunk features at a time (2×2
+// per thread, the next chunk loaded while this one is used), then the weights,
+// then the weighted sum of the members' rows. Each CTA owns its rows, whose
+// grad holds on entry the negative pairs' Σ exp(z - M)·c·f_j at their strip's
+// stabiliser M and on exit the whole gradient:
+//   2σ(Z)·(exp(M - LSE_N)·that + Σ_P exp(z - LSE_P)·c·f_j).
+constexpr int kBandRows = 16;
+constexpr int kBandCols = 64;
+constexpr int kBandChunk = 32;
+constexpr int kBandRowsPerThread = kBandRows * kBandCols / kThreads / 2;
+static_assert(kBandRowsPerThread * (kThreads / 32) == kBandRows && kBandCols == 64, "dot products: 2 rows × 2 columns per thread");
+
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kThreads, 2) positive_band_kernel(
+    const scalar_t* __restrict__ features, // (B, D)
+    int64_t batch,
+    int64_t dim,
+    const int64_t* __restrict__ sorted_labels, // (B,)
+    const int64_t* __restrict__ order, // (B,): the row at each sorted position
+    PairLogit<acc_t> logit,
+    const double* __restrict__ scalars, // (LSE_P, LSE_N, loss, 2σ(Z))
+    const acc_t* __restrict__ negative_max, // (strips,)
+    int64_t strip_height,
+    acc_t* __restrict__ grad) { // (B, D)
+  constexpr int kRowLoads = kBandRows * kBandChunk / kThreads;
+  constexpr int kColLoads = kBandCols * kBandChunk / kThreads;
+  __shared__ int64_t row_of[kBandRows];
+  __shared__ int64_t col_of[kBandCols];
+  __shared__ int64_t span[2];
+  __shared__ acc_t row_tile[kBandRows][kBandChunk + 1];
+  __shared__ acc_t col_tile[kBandCols][kBandChunk + 1];
+  __shared__ acc_t weight[kBandRows][kBandCols];
+  const int64_t p0 = blockIdx.x * static_cast<int64_t>(kBandRows);
+  const int rows = static_cast<int>(std::min<int64_t>(kBandRows, batch - p0));
+  const acc_t lse_positive = static_cast<acc_t>(scalars[0]);
+  const acc_t lse_negative = static_cast<acc_t>(scalars[1]);
+  const acc_t scale = static_cast<acc_t>(scalars[3]);
+  if (threadIdx.x < rows) row_of[threadIdx.x] = order[p0 + threadIdx.x];
+  if (threadIdx.x == 0) {
+    span[0] = search_sorted(sorted_labels, batch, sorted_labels[p0], /*strictly_above=*/false);
+    span[1] = search_sorted(sorted_labels, batch, sorted_labels[p0 + rows - 1], /*strictly_above=*/true);
+  }
+  __syncthreads();
+  // Every (row, feature) of grad stays with one thread throughout.
+  for (int r = 0; r < rows; ++r) {
+    const int64_t i = row_of[r];
+    const acc_t factor = scale * stabiliser_ratio(negative_max[i / strip_height], lse_negative);
+    for (int64_t d = threadIdx.x; d < dim; d += kThreads) grad[i * dim + d] *= factor;
+  }
+  if (scale == acc_t(0)) return; // Z = -inf: no negative pair, a zero gradient
+
+  const int dot_row = threadIdx.x / 32 * kBandRowsPerThread; // rows dot_row + [0, kBandRowsPerThread)
+  const int dot_col = threadIdx.x % 32; // columns dot_col and dot_col + 32
+  for (int64_t q0 = span[0]; q0 < span[1]; q0 += kBandCols) {
+    const int cols = static_cast<int>(std::min<int64_t>(kBandCols, span[1] - q0));
+    if (threadIdx.x < cols) col_of[threadIdx.x] = order[q0 + threadIdx.x];
+    __syncthreads();
+    acc_t row_next[kRowLoads];
+    acc_t col_next[kColLoads];
+    const auto load_chunk = [&](int64_t d0) {
+#pragma unroll
+      for (int k = 0; k < kRowLoads; ++k) {
+        const int e = threadIdx.x + k * kThreads;
+        const int64_t d = d0 + e % kBandChunk;
+        row_next[k] = e / kBandChunk < rows && d < dim ? static_cast<acc_t>(features[row_of[e / kBandChunk] * dim + d]) : acc_t(0);
+      }
+#pragma unroll
+      for (int k = 0; k < kColLoads; ++k) {
+        const int e = threadIdx.x + k * kThreads;
+        const int64_t d = d0 + e % kBandChunk;
+        col_next[k] = e / kBandChunk < cols && d < dim ? static_cast<acc_t>(features[col_of[e / kBandChunk] * dim + d]) : acc_t(0);
+      }
+    };
+    acc_t dot[kBandRowsPerThread][2] = {};
+    load_chunk(0);
+    for (int64_t d0 = 0; d0 < dim; d0 += kBandChunk) {
+#pragma unroll
+      for (int k = 0; k < kRowLoads; ++k) {
+        const int e = threadIdx.x + k * kThreads;
+        row_tile[e / kBandChunk][e % kBandChunk] = row_next[k];
+      }
+#pragma unroll
+      for (int k = 0; k < kColLoads; ++k) {
+        const int e = threadIdx.x + k * kThreads;
+        col_tile[e / kBandChunk][e % kBandChunk] = col_next[k];
+      }
+      __syncthreads();
+      if (d0 + kBandChunk < dim) load_chunk(d0 + kBandChunk);
+#pragma unroll 4
+      for (int k = 0; k < kBandChunk; ++k) {
+        const acc_t left = col_tile[dot_col][k];
+        const acc_t right = col_tile[dot_col + 32][k];
+#pragma unroll
+        for (int i = 0; i < kBandRowsPerThread; ++i) {
+          dot[i][0] += row_tile[dot_row + i][k] * left;
+          dot[i][1] += row_tile[dot_row + i][k] * right;
+        }
+      }
+      __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < kBandRowsPerThread; ++i) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = dot_row + i;
+        const int cc = dot_col + 32 * half;
+        acc_t w = acc_t(0);
+        if (r < rows && cc < cols && sorted_labels[p0 + r] == sorted_labels[q0 + cc]) {
+          acc_t slope;
+          const acc_t z = logit(dot[i][half], /*positive=*/true, &slope);
+          w = scale * exp(z - lse_positive) * slope;
+        }
+        weight[r][cc] = w;
+      }
+    }
+    __syncthreads();
+    for (int64_t d = threadIdx.x; d < dim; d += kThreads) {
+      acc_t sum[kBandRows] = {};
+#pragma unroll 2
+      for (int cc = 0; cc < cols; ++cc) {
+        const acc_t member = static_cast<acc_t>(features[col_of[cc] * dim + d]);
+#pragma unroll
+        for (int r = 0; r < kBandRows; ++r) sum[r] += weight[r][cc] * member;
+      }
+#pragma unroll
+      for (int r = 0; r < kBandRows; ++r) { // sum stays in registers
+        if (r < rows) grad[row_of[r] * dim + d] += sum[r];
+      }
+    }
+    __syncthreads(); // col_of and weight are rewritten by the next span step
+  }
 }
 
 // One block of rows as the kernels read it.
@@ -301,7 +538,14 @@ at::Tensor strip_similarities(const Block& rows, const Block& cols, const Strip&
   return s;
 }
 
-// The two passes over the strips of rows × colsᵀ (symmetric: rows is cols).
+template <typename partial_t, typename loss_t>
+void launch_finalize(const at::Tensor& partials, double* folded, double* scalars, loss_t* loss) {
+  finalize_kernel<partial_t, loss_t><<<1, kFinalizeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      partials.data_ptr<partial_t>(), partials.size(0), folded, scalars, loss);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The passes over the strips of rows × colsᵀ (symmetric: rows is cols).
 template <typename scalar_t>
 class StripPasses {
  public:
@@ -318,65 +562,154 @@ class StripPasses {
     workspace_ = at::empty({largest}, rows.features.options().dtype(dtype_of<acc_t>()));
   }
 
-  // Pass 1: every CTA's LSE partials, (n, 4) in acc_t. Leaves the last
+  int64_t strip_count() const { return static_cast<int64_t>(strips_.size()); }
+
+  // Loss pass: every CTA's LSE partials, (n, 4) in acc_t. Leaves the last
   // strip's S in the workspace.
   at::Tensor lse_partials() {
-    int64_t n = 0;
-    for (const Strip& strip : strips_) {
-      const dim3 grid = strip_grid(strip, sms_);
-      n += static_cast<int64_t>(grid.x) * grid.y;
-    }
-    at::Tensor partials = at::empty({n, 4}, workspace_.options());
+    at::Tensor partials = at::empty({partial_count(), 4}, workspace_.options());
     int64_t offset = 0;
     for (const Strip& strip : strips_) {
-      const at::Tensor s = strip_similarities(rows_, cols_, strip, workspace_);
-      const dim3 grid = strip_grid(strip, sms_);
-      strip_lse_kernel<acc_t><<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          s.data_ptr<acc_t>(), strip.rows, strip.cols, row_labels(strip), col_labels(strip), symmetric_, logit_,
-          partials.data_ptr<acc_t>() + 4 * offset);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      offset += static_cast<int64_t>(grid.x) * grid.y;
+      offset += launch_strip_lse(strip, strip_similarities(rows_, cols_, strip, workspace_), partials, offset);
     }
     last_strip_in_workspace_ = !strips_.empty();
     return partials;
   }
 
-  // Pass 2: Σ_j G_ij cols_j for every row (R, D), in acc_t, from scalars =
-  // (LSE_P, LSE_N, loss, 2σ(Z)) on the device. Strips run last to first, so
-  // that the last one can reuse the S pass 1 left behind, and so that each
-  // strip's own rows are written before any later-processed (earlier) strip
-  // adds its transposed share to them.
+  // Gradient pass after the loss pass: Σ_j G_ij cols_j for every row (R, D),
+  // in acc_t, from scalars = (LSE_P, LSE_N, loss, 2σ(Z)) on the device. S is
+  // formed again, strip by strip, last to first: the last strip reuses the S
+  // the loss pass left, and each strip's own rows are written before any
+  // earlier strip adds its transposed share to them.
   at::Tensor gradient(const at::Tensor& scalars) {
-    const int64_t dim = rows_.features.size(1);
-    at::Tensor grad = at::empty({rows_.size(), dim}, workspace_.options());
-    // float16/bfloat16 weights feed the tensor cores; wider ones overwrite S.
-    const at::Tensor weight_space =
-        std::is_same_v<scalar_t, acc_t> ? workspace_ : at::empty_like(workspace_, rows_.features.options());
+    at::Tensor grad = at::empty({rows_.size(), rows_.features.size(1)}, workspace_.options());
+    const at::Tensor weight_space = make_weight_space();
     for (auto strip = strips_.rbegin(); strip != strips_.rend(); ++strip) {
       const at::Tensor s = strip == strips_.rbegin() && last_strip_in_workspace_
           ? workspace_.narrow(0, 0, strip->rows * strip->cols).view({strip->rows, strip->cols})
           : strip_similarities(rows_, cols_, *strip, workspace_);
-      const at::Tensor weights = weight_space.narrow(0, 0, strip->rows * strip->cols).view({strip->rows, strip->cols});
-      strip_weights_kernel<acc_t, scalar_t><<<strip_grid(*strip, sms_), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          s.data_ptr<acc_t>(), strip->rows, strip->cols, row_labels(*strip), col_labels(*strip), logit_,
-          scalars.data_ptr<double>(), weights.data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      matmul_into(grad.narrow(0, strip->row0, strip->rows), weights, cols_.features.narrow(0, strip->col0, strip->cols));
-      const int64_t beyond = strip->cols - strip->rows; // columns right of the diagonal block
-      if (symmetric_ && beyond > 0) {
-        matmul_add(
-            grad.narrow(0, strip->row0 + strip->rows, beyond),
-            weights.narrow(1, strip->rows, beyond).t(),
-            rows_.features.narrow(0, strip->row0, strip->rows));
-      }
+      const at::Tensor weights = launch_weights(*strip, s, weight_space, scalars.data_ptr<double>(), nullptr);
+      add_strip_gradient(grad, weights, *strip, /*accumulate_own=*/false, /*accumulate_below=*/true);
     }
     last_strip_in_workspace_ = false;
+    return grad;
+  }
+
+  // The symmetric op over several strips: writes the loss and returns the
+  // gradient (B, D) in acc_t, each strip of S formed once. Strips run first to
+  // last; strip k's negative weights are taken against M_k, the largest
+  // negative logit of strips 0..k, and added to the rows [r0_k, B) once those
+  // are brought from M_(k-1) to M_k. Rows of strip k get no later share, so
+  // each row ends at its strip's M; positive_band_kernel then scales every
+  // row to LSE_N and adds the positive pairs.
+  at::Tensor loss_and_gradient(at::Tensor& loss) {
+    TORCH_INTERNAL_ASSERT(symmetric_);
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t batch = rows_.size();
+    const int64_t dim = rows_.features.size(1);
+    at::Tensor partials = at::empty({partial_count(), 4}, workspace_.options());
+    at::Tensor negative_max = at::empty({strip_count()}, workspace_.options());
+    at::Tensor grad = at::empty({batch, dim}, workspace_.options());
+    const at::Tensor weight_space = make_weight_space();
+    int64_t offset = 0;
+    for (int64_t k = 0; k < strip_count(); ++k) {
+      const Strip& strip = strips_[k];
+      const at::Tensor s = strip_similarities(rows_, cols_, strip, workspace_);
+      const int64_t n = launch_strip_lse(strip, s, partials, offset);
+      running_max_kernel<acc_t><<<1, kFinalizeThreads, 0, stream>>>(
+          partials.data_ptr<acc_t>() + 4 * offset, n, negative_max.data_ptr<acc_t>(), k);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      offset += n;
+      const bool first = k == 0; // writes every row: no fill, no rescale
+      if (!first) {
+        const int64_t values = (batch - strip.row0) * dim;
+        const int64_t blocks = std::clamp<int64_t>((values + kColsPerCta - 1) / kColsPerCta, 1, 8 * sms_);
+        rescale_kernel<acc_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+            grad.data_ptr<acc_t>() + strip.row0 * dim, values, negative_max.data_ptr<acc_t>() + k - 1);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      const at::Tensor weights = launch_weights(strip, s, weight_space, nullptr, negative_max.data_ptr<acc_t>() + k);
+      add_strip_gradient(grad, weights, strip, /*accumulate_own=*/!first, /*accumulate_below=*/!first);
+    }
+    at::Tensor scalars = at::empty({4}, rows_.features.options().dtype(at::kDouble));
+    launch_finalize<acc_t, scalar_t>(partials, nullptr, scalars.data_ptr<double>(), loss.data_ptr<scalar_t>());
+
+    const auto [sorted_labels, order] = at::sort(rows_.labels, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    const int64_t bands = (batch + kBandRows - 1) / kBandRows;
+    positive_band_kernel<scalar_t, acc_t><<<static_cast<unsigned>(bands), kThreads, 0, stream>>>(
+        rows_.features.data_ptr<scalar_t>(), batch, dim, sorted_labels.data_ptr<int64_t>(), order.data_ptr<int64_t>(),
+        logit_, scalars.data_ptr<double>(), negative_max.data_ptr<acc_t>(), strips_.front().rows,
+        grad.data_ptr<acc_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     return grad;
   }
 
  private:
   const int64_t* row_labels(const Strip& strip) const { return rows_.labels.data_ptr<int64_t>() + strip.row0; }
   const int64_t* col_labels(const Strip& strip) const { return cols_.labels.data_ptr<int64_t>() + strip.col0; }
+
+  int64_t partial_count() const {
+    int64_t n = 0;
+    for (const Strip& strip : strips_) {
+      const dim3 grid = strip_grid(strip, sms_);
+      n += static_cast<int64_t>(grid.x) * grid.y;
+    }
+    return n;
+  }
+
+  // strip_lse_kernel over strip's S into partials[offset:]; returns how many
+  // partials it wrote.
+  int64_t launch_strip_lse(const Strip& strip, const at::Tensor& s, at::Tensor& partials, int64_t offset) {
+    const dim3 grid = strip_grid(strip, sms_);
+    strip_lse_kernel<acc_t><<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        s.data_ptr<acc_t>(), strip.rows, strip.cols, row_labels(strip), col_labels(strip), symmetric_, logit_,
+        partials.data_ptr<acc_t>() + 4 * offset);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return static_cast<int64_t>(grid.x) * grid.y;
+  }
+
+  // float16/bfloat16 weights feed the tensor cores; wider ones overwrite S.
+  at::Tensor make_weight_space() const {
+    return std::is_same_v<scalar_t, acc_t> ? workspace_ : at::empty_like(workspace_, rows_.features.options());
+  }
+
+  // strip_weights_kernel over strip's S; returns the (rows, cols) weights.
+  at::Tensor launch_weights(
+      const Strip& strip,
+      const at::Tensor& s,
+      const at::Tensor& weight_space,
+      const double* scalars,
+      const acc_t* negative_max) {
+    const at::Tensor weights = weight_space.narrow(0, 0, strip.rows * strip.cols).view({strip.rows, strip.cols});
+    strip_weights_kernel<acc_t, scalar_t><<<strip_grid(strip, sms_), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        s.data_ptr<acc_t>(), strip.rows, strip.cols, row_labels(strip), col_labels(strip), logit_, scalars,
+        negative_max, weights.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return weights;
+  }
+
+  // grad[strip's rows] = (accumulate_own: +=) weights·cols[strip's columns];
+  // symmetric: grad[rows right of the diagonal block] = (accumulate_below: +=)
+  // their weightsᵀ·rows[strip's rows].
+  void add_strip_gradient(
+      at::Tensor& grad,
+      const at::Tensor& weights,
+      const Strip& strip,
+      bool accumulate_own,
+      bool accumulate_below) const {
+    const auto write = [](bool accumulate, const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+      accumulate ? matmul_add(out, a, b) : matmul_into(out, a, b);
+    };
+    write(accumulate_own, grad.narrow(0, strip.row0, strip.rows), weights, cols_.features.narrow(0, strip.col0, strip.cols));
+    const int64_t beyond = strip.cols - strip.rows; // columns right of the diagonal block
+    if (symmetric_ && beyond > 0) {
+      write(
+          accumulate_below,
+          grad.narrow(0, strip.row0 + strip.rows, beyond),
+          weights.narrow(1, strip.rows, beyond).t(),
+          rows_.features.narrow(0, strip.row0, strip.rows));
+    }
+  }
 
   const Block& rows_;
   const Block& cols_;
@@ -387,13 +720,6 @@ class StripPasses {
   at::Tensor workspace_; // (largest strip,) in acc_t
   bool last_strip_in_workspace_ = false;
 };
-
-template <typename partial_t, typename loss_t>
-void launch_finalize(const at::Tensor& partials, double* folded, double* scalars, loss_t* loss) {
-  finalize_kernel<partial_t, loss_t><<<1, kFinalizeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      partials.data_ptr<partial_t>(), partials.size(0), folded, scalars, loss);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
 
 // (LSE_P, LSE_N, loss, 2σ(Z)) as a float64 device tensor; writes the loss.
 template <typename scalar_t>
@@ -433,8 +759,12 @@ std::tuple<at::Tensor, at::Tensor> loss_with_grad_cuda(
   at::Tensor grad;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_loss_with_grad_cuda", [&] {
     StripPasses<scalar_t> passes(block, block, /*symmetric=*/true, margin, gamma);
-    const at::Tensor scalars = loss_scalars(passes, features, loss);
-    grad = passes.gradient(scalars).to(features.scalar_type());
+    // Forming S twice costs float32/float64 more than the one-pass's positive
+    // band; float16/bfloat16 form S on tensor cores, for much less.
+    const bool one_pass = passes.strip_count() > 1 && std::is_same_v<scalar_t, typename Acc<scalar_t>::type>;
+    const at::Tensor grad_acc =
+        one_pass ? passes.loss_and_gradient(loss) : passes.gradient(loss_scalars(passes, features, loss));
+    grad = grad_acc.to(features.scalar_type());
   });
   return {loss, grad};
 }
