@@ -56,13 +56,20 @@ for step in "${steps[@]}"; do
       done ;;
     sanitize)
       # racecheck looks at our kernels only (their names carry the circle_loss
-      # namespace): over cuBLAS's GEMMs too it runs for many minutes.
+      # namespace): over cuBLAS's GEMMs too it runs for many minutes. It also
+      # leaves out the half-precision tests: under racecheck cuBLAS's float16
+      # GEMM with float32 output fails with a hardware exception the sanitizer
+      # cannot handle, in plain torch.mm(a, b, out_dtype=torch.float32) too.
       for tool in memcheck racecheck; do
         filter=()
-        [ "$tool" = racecheck ] && filter=(--kernel-name kns=circle_loss)
+        tests="matches_reference or half_precision or empty or no_negative or nan or block_ops_compose"
+        if [ "$tool" = racecheck ]; then
+          filter=(--kernel-name kns=circle_loss)
+          tests="matches_reference or empty or no_negative or nan or block_ops_compose"
+        fi
         compute-sanitizer --tool "$tool" "${filter[@]}" --error-exitcode 9 --target-processes all \
           python3 -m pytest -q -p no:cacheprovider -x tests/test_correctness.py tests/test_distributed.py tests/test_cuda.py \
-          -k "cuda and (matches_reference or half_precision or empty or no_negative or nan or block_ops_compose) or several_strips" \
+          -k "cuda and ($tests) or several_strips" \
           > "$out/sanitizer_$tool.log" 2>&1
         rc=$?
         echo "compute-sanitizer $tool: exit $rc; $(grep -E 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' ')"
