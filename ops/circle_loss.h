@@ -114,6 +114,14 @@ struct LossScalars {
   double lse_negative;
   double loss;
   double grad_scale;
+
+  // As _lse_finish returns them: (LSE_P, LSE_N, loss, 2·sigmoid(Z)).
+  CIRCLE_LOSS_HOST_DEVICE inline void store(double* out) const {
+    out[0] = lse_positive;
+    out[1] = lse_negative;
+    out[2] = loss;
+    out[3] = grad_scale;
+  }
 };
 
 CIRCLE_LOSS_HOST_DEVICE inline LossScalars finish_loss(double lse_positive, double lse_negative) {

@@ -368,13 +368,8 @@ at::Tensor lse_finish_cpu(const at::Tensor& partials) { // (n, 4)
     total[0].merge(ps[4 * i], ps[4 * i + 1]);
     total[1].merge(ps[4 * i + 2], ps[4 * i + 3]);
   }
-  const LossScalars s = finish_loss(total[0].lse(), total[1].lse());
   at::Tensor out = at::empty({4}, partials.options());
-  double* o = out.data_ptr<double>();
-  o[0] = s.lse_positive;
-  o[1] = s.lse_negative;
-  o[2] = s.loss;
-  o[3] = s.grad_scale;
+  finish_loss(total[0].lse(), total[1].lse()).store(out.data_ptr<double>());
   return out;
 }
 
