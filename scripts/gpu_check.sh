@@ -69,7 +69,7 @@ for step in "${steps[@]}"; do
         fi
         compute-sanitizer --tool "$tool" "${filter[@]}" --error-exitcode 9 --target-processes all \
           python3 -m pytest -q -p no:cacheprovider -x tests/test_correctness.py tests/test_distributed.py tests/test_cuda.py \
-          -k "cuda and ($tests) or several_strips" \
+          -k "cuda and ($tests) or several_strips or small_batch" \
           > "$out/sanitizer_$tool.log" 2>&1
         rc=$?
         echo "compute-sanitizer $tool: exit $rc; $(grep -E 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' ')"

@@ -39,7 +39,7 @@ def test_cuda_graph_capture_and_replay(batch):
         assert_matches_reference(static_loss, static_grad, x, y)
 
 
-@pytest.mark.parametrize("batch", [1500, 4500])
+@pytest.mark.parametrize("batch", [300, 1500, 4500])  # the small-batch path, one strip, several
 def test_bitwise_deterministic_across_streams(batch):
     features, labels = make_inputs(batch, 96, 30, "cuda")
     features.requires_grad_()
@@ -81,6 +81,20 @@ def test_non_default_device_index_and_non_contiguous():
         loss, grad = loss_and_grad(features, labels)
     assert loss.device == device and grad.device == device
     assert_matches_reference(loss, grad, base, labels)
+
+
+# Up to 512 rows the op runs its own two kernels (ops/cuda/small_batch.cu),
+# beyond that cuBLAS strips. Both sides of the switch, and widths that take
+# each of the small path's warps through several chunks of features.
+@pytest.mark.parametrize("batch,dim", [(512, 40), (513, 40), (97, 1100), (300, 515)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_small_batch_path_edges(batch, dim, dtype):
+    features, labels = make_inputs(batch, dim, 11, "cuda", dtype)
+    x = features.clone().requires_grad_()
+    loss, grad = loss_and_grad(x, labels)
+    assert_matches_reference(loss, grad, features, labels)
+    with torch.no_grad():  # the loss-only kernels fold the same partials alike
+        assert torch.equal(torch.ops.circle.loss(features, labels), loss)
 
 
 # Beyond 64 MiB of S the kernels work in several strips of rows, form each

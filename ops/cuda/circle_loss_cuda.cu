@@ -1,4 +1,7 @@
-// CUDA kernels of circle::loss.
+// CUDA kernels of circle::loss, and its CUDA registrations.
+//
+// Batches of up to kSmallBatch rows take small_batch.cu's two launches; this
+// file is the path for larger ones, which leaves the GEMMs to cuBLAS.
 //
 // S = F Fᵀ is formed one strip of rows at a time, never more than kStripBytes:
 // a strip covers rows [r0, r0 + h) and, S being symmetric, only the columns
@@ -26,16 +29,15 @@
 // No atomics: every reduction runs in a fixed order, cuBLAS is reproducible on
 // a given GPU, so results are bitwise the same from run to run. Nothing waits
 // for the host: the LSEs stay on the device and the op can be graph-captured.
-#include "../circle_loss.h"
+#include "common.cuh"
+#include "small_batch.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sort.h>
-#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -53,24 +55,9 @@ constexpr int64_t kStripBytes = int64_t{64} << 20;
 constexpr int64_t kStripAlign = 128;
 // Elementwise kernels: a CTA covers kThreads · kColsPerThread columns of a
 // strip and a grid-stride set of its rows.
-constexpr int kThreads = 256;
 constexpr int kColsPerThread = 4;
 constexpr int64_t kColsPerCta = kThreads * kColsPerThread;
 constexpr int kFinalizeThreads = 1024;
-
-template <typename T>
-struct Acc {
-  using type = float; // float32, float16, bfloat16: S and the partials in float32
-};
-template <>
-struct Acc<double> {
-  using type = double;
-};
-
-template <typename T>
-at::ScalarType dtype_of() {
-  return c10::CppTypeToScalarType<T>::value;
-}
 
 // One strip of S: rows [row0, row0 + rows) × columns [col0, col0 + cols).
 struct Strip {
@@ -154,28 +141,6 @@ __device__ __forceinline__ void for_each_entry(
   }
 }
 
-// Merges every thread's state in a fixed order (xor-shuffle tree within
-// warps, then warps in index order), so every run sums alike; the result is
-// valid in thread 0. scratch: 2 · kThreads / 32 values in shared memory.
-template <typename T>
-__device__ __forceinline__ LseState<T> block_merge(LseState<T> state, T* scratch) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const T other_max = __shfl_xor_sync(0xffffffffu, state.max, offset);
-    const T other_sum = __shfl_xor_sync(0xffffffffu, state.sum, offset);
-    state.merge(other_max, other_sum);
-  }
-  constexpr int kWarps = kThreads / 32;
-  if (threadIdx.x % 32 == 0) {
-    scratch[threadIdx.x / 32] = state.max;
-    scratch[kWarps + threadIdx.x / 32] = state.sum;
-  }
-  __syncthreads();
-  LseState<T> total;
-  for (int w = 0; w < kWarps; ++w) total.merge(scratch[w], scratch[kWarps + w]);
-  __syncthreads();
-  return total;
-}
-
 // partials[blockIdx] = (max_P, Σ_P, max_N, Σ_N) over this CTA's entries of the
 // strip. Symmetric strips (row0 == col0) take the diagonal once, pairs right
 // of it twice (as (i, j) and (j, i)) and those left of it not at all.
@@ -189,7 +154,7 @@ __global__ void __launch_bounds__(kThreads) strip_lse_kernel(
     bool symmetric,
     PairLogit<acc_t> logit,
     acc_t* __restrict__ partials) { // (gridDim.x · gridDim.y, 4)
-  __shared__ acc_t scratch[2 * kThreads / 32];
+  __shared__ acc_t scratch[2 * kWarps];
   LseState<acc_t> positive;
   LseState<acc_t> negative;
   for_each_entry(s, rows, cols, row_labels, col_labels, [&](int64_t r, int64_t c, acc_t s_rc, bool is_positive) {
@@ -199,8 +164,7 @@ __global__ void __launch_bounds__(kThreads) strip_lse_kernel(
     const acc_t z = logit(s_rc, is_positive, &slope);
     (is_positive ? positive : negative).add(z, multiplicity);
   });
-  positive = block_merge(positive, scratch);
-  negative = block_merge(negative, scratch);
+  block_fold<kThreads>(positive, negative, scratch);
   if (threadIdx.x == 0) {
     acc_t* out = partials + 4 * (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x);
     out[0] = positive.max;
@@ -210,73 +174,11 @@ __global__ void __launch_bounds__(kThreads) strip_lse_kernel(
   }
 }
 
-// Folds partials in a fixed order. Writes, where given: the folded partial
-// (max_P, Σ_P, max_N, Σ_N); scalars = (LSE_P, LSE_N, loss, 2·sigmoid(Z));
-// the loss in the features' dtype.
-template <typename partial_t, typename loss_t>
-__global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(
-    const partial_t* __restrict__ partials, // (n, 4)
-    int64_t n,
-    double* __restrict__ folded, // (4,) or null
-    double* __restrict__ scalars, // (4,) or null
-    loss_t* __restrict__ loss) { // () or null
-  // (max, Σ) of each set, per thread, then tree-merged in place.
-  __shared__ double shared_max[2][kFinalizeThreads];
-  __shared__ double shared_sum[2][kFinalizeThreads];
-  for (int set = 0; set < 2; ++set) {
-    LseState<double> state;
-    for (int64_t t = threadIdx.x; t < n; t += kFinalizeThreads) {
-      state.merge(partials[4 * t + 2 * set], partials[4 * t + 2 * set + 1]);
-    }
-    shared_max[set][threadIdx.x] = state.max;
-    shared_sum[set][threadIdx.x] = state.sum;
-  }
-  __syncthreads();
-  for (int stride = kFinalizeThreads / 2; stride > 0; stride >>= 1) {
-    if (threadIdx.x < stride) {
-      for (int set = 0; set < 2; ++set) {
-        LseState<double> state{shared_max[set][threadIdx.x], shared_sum[set][threadIdx.x]};
-        state.merge(shared_max[set][threadIdx.x + stride], shared_sum[set][threadIdx.x + stride]);
-        shared_max[set][threadIdx.x] = state.max;
-        shared_sum[set][threadIdx.x] = state.sum;
-      }
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    const LseState<double> positive{shared_max[0][0], shared_sum[0][0]};
-    const LseState<double> negative{shared_max[1][0], shared_sum[1][0]};
-    if (folded != nullptr) {
-      folded[0] = positive.max;
-      folded[1] = positive.sum;
-      folded[2] = negative.max;
-      folded[3] = negative.sum;
-    }
-    const LossScalars out = finish_loss(positive.lse(), negative.lse());
-    if (scalars != nullptr) {
-      scalars[0] = out.lse_positive;
-      scalars[1] = out.lse_negative;
-      scalars[2] = out.loss;
-      scalars[3] = out.grad_scale;
-    }
-    if (loss != nullptr) {
-      using acc_t = typename Acc<loss_t>::type;
-      *loss = static_cast<loss_t>(static_cast<acc_t>(out.loss));
-    }
-  }
-}
-
 // exp(from - to) for two stabilisers of one pair set, from <= to: 1 when they
 // are equal, which includes both being -inf (no pair of the set seen yet).
 template <typename T>
 __device__ __forceinline__ T stabiliser_ratio(T from, T to) {
   return from == to ? T(1) : exp(from - to);
-}
-
-// Largest of a and b; NaN if either is.
-template <typename T>
-__device__ __forceinline__ T nan_max(T a, T b) {
-  return a > b || a != a ? a : b;
 }
 
 // Gradient weights for every entry of the strip (SPEC.md, "Gradient"):
@@ -341,7 +243,7 @@ __global__ void __launch_bounds__(kThreads) rescale_kernel(
   const acc_t previous = negative_max[0];
   const acc_t current = negative_max[1];
   if (previous == current) return; // the usual case once the largest logit has been seen
-  const acc_t factor = stabiliser_ratio(previous, current);
+  const acc_t factor = exp(previous - current);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     values[i] *= factor;
@@ -378,7 +280,7 @@ constexpr int kBandRows = 16;
 constexpr int kBandCols = 64;
 constexpr int kBandChunk = 32;
 constexpr int kBandRowsPerThread = kBandRows * kBandCols / kThreads / 2;
-static_assert(kBandRowsPerThread * (kThreads / 32) == kBandRows && kBandCols == 64, "dot products: 2 rows × 2 columns per thread");
+static_assert(kBandRowsPerThread * kWarps == kBandRows && kBandCols == 64, "dot products: 2 rows × 2 columns per thread");
 
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads, 2) positive_band_kernel(
@@ -501,17 +403,6 @@ __global__ void __launch_bounds__(kThreads, 2) positive_band_kernel(
   }
 }
 
-// One block of rows as the kernels read it.
-struct Block {
-  at::Tensor features; // (N, D) contiguous, input dtype
-  at::Tensor labels; // (N,) contiguous int64
-  int64_t size() const { return features.size(0); }
-};
-
-Block prepare(const at::Tensor& features, const at::Tensor& labels) {
-  return {features.contiguous(), labels.to(at::kLong).contiguous()};
-}
-
 // out = a · b, in out's dtype: float16/bfloat16 operands give float32 results
 // (cuBLAS accumulates in float32 either way).
 void matmul_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
@@ -536,13 +427,6 @@ at::Tensor strip_similarities(const Block& rows, const Block& cols, const Strip&
   at::Tensor s = workspace.narrow(0, 0, strip.rows * strip.cols).view({strip.rows, strip.cols});
   matmul_into(s, rows.features.narrow(0, strip.row0, strip.rows), cols.features.narrow(0, strip.col0, strip.cols).t());
   return s;
-}
-
-template <typename partial_t, typename loss_t>
-void launch_finalize(const at::Tensor& partials, double* folded, double* scalars, loss_t* loss) {
-  finalize_kernel<partial_t, loss_t><<<1, kFinalizeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      partials.data_ptr<partial_t>(), partials.size(0), folded, scalars, loss);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The passes over the strips of rows × colsᵀ (symmetric: rows is cols).
@@ -632,7 +516,8 @@ class StripPasses {
       add_strip_gradient(grad, weights, strip, /*accumulate_own=*/!first, /*accumulate_below=*/!first);
     }
     at::Tensor scalars = at::empty({4}, rows_.features.options().dtype(at::kDouble));
-    launch_finalize<acc_t, scalar_t>(partials, nullptr, scalars.data_ptr<double>(), loss.data_ptr<scalar_t>());
+    launch_finalize<kFinalizeThreads>(
+        partials.data_ptr<acc_t>(), partials.size(0), nullptr, scalars.data_ptr<double>(), loss.data_ptr<scalar_t>());
 
     const auto [sorted_labels, order] = at::sort(rows_.labels, /*stable=*/true, /*dim=*/0, /*descending=*/false);
     const int64_t bands = (batch + kBandRows - 1) / kBandRows;
@@ -727,7 +612,8 @@ at::Tensor loss_scalars(StripPasses<scalar_t>& passes, const at::Tensor& feature
   using acc_t = typename Acc<scalar_t>::type;
   const at::Tensor partials = passes.lse_partials();
   at::Tensor scalars = at::empty({4}, features.options().dtype(at::kDouble));
-  launch_finalize<acc_t, scalar_t>(partials, nullptr, scalars.data_ptr<double>(), loss.data_ptr<scalar_t>());
+  launch_finalize<kFinalizeThreads>(
+      partials.data_ptr<acc_t>(), partials.size(0), nullptr, scalars.data_ptr<double>(), loss.data_ptr<scalar_t>());
   return scalars;
 }
 
@@ -739,6 +625,9 @@ at::Tensor loss_cuda(
   check_inputs(features, labels, margin, gamma);
   const c10::cuda::CUDAGuard guard(features.device());
   const Block block = prepare(features, labels);
+  if (fits_small_batch(block.size(), block.dim())) {
+    return small_batch_loss(block.features, block.labels, margin, gamma);
+  }
   at::Tensor loss = at::empty({}, features.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_loss_cuda", [&] {
     StripPasses<scalar_t> passes(block, block, /*symmetric=*/true, margin, gamma);
@@ -755,15 +644,23 @@ std::tuple<at::Tensor, at::Tensor> loss_with_grad_cuda(
   check_inputs(features, labels, margin, gamma);
   const c10::cuda::CUDAGuard guard(features.device());
   const Block block = prepare(features, labels);
+  if (fits_small_batch(block.size(), block.dim())) {
+    return small_batch_loss_with_grad(block.features, block.labels, margin, gamma);
+  }
   at::Tensor loss = at::empty({}, features.options());
   at::Tensor grad;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_loss_with_grad_cuda", [&] {
     StripPasses<scalar_t> passes(block, block, /*symmetric=*/true, margin, gamma);
-    // Forming S twice costs float32/float64 more than the one-pass's positive
-    // band; float16/bfloat16 form S on tensor cores, for much less.
-    const bool one_pass = passes.strip_count() > 1 && std::is_same_v<scalar_t, typename Acc<scalar_t>::type>;
-    const at::Tensor grad_acc =
-        one_pass ? passes.loss_and_gradient(loss) : passes.gradient(loss_scalars(passes, features, loss));
+    at::Tensor grad_acc;
+    if constexpr (std::is_same_v<scalar_t, typename Acc<scalar_t>::type>) {
+      // float32/float64: forming S twice costs more than the one pass's
+      // positive band.
+      grad_acc = passes.strip_count() > 1 ? passes.loss_and_gradient(loss)
+                                          : passes.gradient(loss_scalars(passes, features, loss));
+    } else {
+      // float16/bfloat16 form S on tensor cores, for less than the band.
+      grad_acc = passes.gradient(loss_scalars(passes, features, loss));
+    }
     grad = grad_acc.to(features.scalar_type());
   });
   return {loss, grad};
@@ -784,7 +681,9 @@ at::Tensor lse_partials_cuda(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, rows.scalar_type(), "circle_lse_partials_cuda", [&] {
     using acc_t = typename Acc<scalar_t>::type;
     StripPasses<scalar_t> passes(row_block, col_block, /*symmetric=*/false, margin, gamma);
-    launch_finalize<acc_t, float>(passes.lse_partials(), folded.data_ptr<double>(), nullptr, nullptr);
+    const at::Tensor partials = passes.lse_partials();
+    launch_finalize<kFinalizeThreads, acc_t, float>(
+        partials.data_ptr<acc_t>(), partials.size(0), folded.data_ptr<double>(), nullptr, nullptr);
   });
   return folded;
 }
@@ -793,7 +692,9 @@ at::Tensor lse_finish_cuda(const at::Tensor& partials) { // (n, 4)
   check_partials(partials);
   const c10::cuda::CUDAGuard guard(partials.device());
   at::Tensor scalars = at::empty({4}, partials.options());
-  launch_finalize<double, float>(partials.contiguous(), nullptr, scalars.data_ptr<double>(), nullptr);
+  const at::Tensor contiguous = partials.contiguous();
+  launch_finalize<kFinalizeThreads, double, float>(
+      contiguous.data_ptr<double>(), contiguous.size(0), nullptr, scalars.data_ptr<double>(), nullptr);
   return scalars;
 }
 

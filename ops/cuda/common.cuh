@@ -1,0 +1,166 @@
+// What the CUDA translation units of circle::loss share: the accumulation
+// types, the in-CTA LSE merge, the fixed-order fold of LSE partials into the
+// loss, and the inputs as the kernels read them. In an anonymous namespace, as
+// the kernels are: each translation unit gets the instantiations it uses.
+#pragma once
+
+#include "../circle_loss.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdint>
+#include <limits>
+
+namespace circle_loss {
+namespace {
+
+// Threads of every CTA but the strip path's folds.
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+template <typename T>
+struct Acc {
+  using type = float; // float32, float16, bfloat16: S and the partials in float32
+};
+template <>
+struct Acc<double> {
+  using type = double;
+};
+
+template <typename T>
+at::ScalarType dtype_of() {
+  return c10::CppTypeToScalarType<T>::value;
+}
+
+// Largest of a and b; NaN if either is.
+template <typename T>
+__device__ __forceinline__ T nan_max(T a, T b) {
+  return a > b || a != a ? a : b;
+}
+
+// values[k] = op over the CTA's kBlock threads of their values[k], for both k,
+// in a fixed order: an xor-shuffle tree within each warp, then the warps in
+// index order. Every thread gets the result. scratch: 2 · kBlock / 32 values
+// of shared memory.
+template <int kBlock, typename T, typename Op>
+__device__ __forceinline__ void block_reduce(T (&values)[2], Op op, T* scratch) {
+  const int warp = threadIdx.x / 32;
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    values[0] = op(values[0], __shfl_xor_sync(0xffffffffu, values[0], offset));
+    values[1] = op(values[1], __shfl_xor_sync(0xffffffffu, values[1], offset));
+  }
+  if (threadIdx.x % 32 == 0) {
+    scratch[2 * warp] = values[0];
+    scratch[2 * warp + 1] = values[1];
+  }
+  __syncthreads();
+  values[0] = scratch[0];
+  values[1] = scratch[1];
+  for (int w = 1; w < kBlock / 32; ++w) {
+    values[0] = op(values[0], scratch[2 * w]);
+    values[1] = op(values[1], scratch[2 * w + 1]);
+  }
+  __syncthreads(); // scratch is free again
+}
+
+// sum · exp(max - largest): a (max, Σ) state's sum at the stabiliser largest,
+// which is at least max. An empty state gives exactly 0; a state at an
+// infinite largest gives its sum; NaN propagates.
+template <typename T>
+__device__ __forceinline__ T rescaled_sum(const LseState<T>& state, T largest) {
+  return state.sum == T(0) ? T(0) : state.max == largest ? state.sum : state.sum * exp(state.max - largest);
+}
+
+// Folds every thread's state of both sets over a CTA of kBlock threads: the
+// largest max first, then each state's sum rescaled to it and summed. Two
+// shallow reductions with one exp per thread, in a fixed order, so every run
+// sums alike. Every thread gets the result. scratch: 2 · kBlock / 32 values of
+// shared memory.
+template <int kBlock, typename T>
+__device__ __forceinline__ void block_fold(LseState<T>& positive, LseState<T>& negative, T* scratch) {
+  T largest[2] = {positive.max, negative.max};
+  block_reduce<kBlock>(largest, [](T a, T b) { return nan_max(a, b); }, scratch);
+  T total[2] = {rescaled_sum(positive, largest[0]), rescaled_sum(negative, largest[1])};
+  block_reduce<kBlock>(total, [](T a, T b) { return a + b; }, scratch);
+  positive = {largest[0], total[0]};
+  negative = {largest[1], total[1]};
+}
+
+// Folds partials (n, 4) = (max_P, Σ_P, max_N, Σ_N) in float64 in a fixed
+// order: thread t merges partials t, t + kBlock, ..., then block_fold. The
+// same kBlock and n give the same bits wherever it runs. Every thread gets
+// the result. scratch: 2 · kBlock / 32 doubles of shared memory.
+template <int kBlock, typename partial_t>
+__device__ __forceinline__ void fold_partials(
+    const partial_t* __restrict__ partials, // (n, 4)
+    int64_t n,
+    double* scratch,
+    LseState<double>& positive,
+    LseState<double>& negative) {
+  positive = {};
+  negative = {};
+  for (int64_t t = threadIdx.x; t < n; t += kBlock) {
+    positive.merge(partials[4 * t], partials[4 * t + 1]);
+    negative.merge(partials[4 * t + 2], partials[4 * t + 3]);
+  }
+  block_fold<kBlock>(positive, negative, scratch);
+}
+
+// The loss in the features' dtype, rounded through the accumulation type as
+// every path rounds it.
+template <typename loss_t>
+__device__ __forceinline__ void store_loss(const LossScalars& scalars, loss_t* loss) {
+  using acc_t = typename Acc<loss_t>::type;
+  *loss = static_cast<loss_t>(static_cast<acc_t>(scalars.loss));
+}
+
+// One CTA of kBlock threads folds partials. Writes, where given: the folded
+// partial (max_P, Σ_P, max_N, Σ_N); scalars = (LSE_P, LSE_N, loss, 2·sigmoid(Z));
+// the loss in the features' dtype.
+template <int kBlock, typename partial_t, typename loss_t>
+__global__ void __launch_bounds__(kBlock) finalize_kernel(
+    const partial_t* __restrict__ partials, // (n, 4)
+    int64_t n,
+    double* __restrict__ folded, // (4,) or null
+    double* __restrict__ scalars, // (4,) or null
+    loss_t* __restrict__ loss) { // () or null
+  __shared__ double scratch[2 * kBlock / 32];
+  LseState<double> positive;
+  LseState<double> negative;
+  fold_partials<kBlock>(partials, n, scratch, positive, negative);
+  if (threadIdx.x == 0) {
+    if (folded != nullptr) {
+      folded[0] = positive.max;
+      folded[1] = positive.sum;
+      folded[2] = negative.max;
+      folded[3] = negative.sum;
+    }
+    const LossScalars out = finish_loss(positive.lse(), negative.lse());
+    if (scalars != nullptr) out.store(scalars);
+    if (loss != nullptr) store_loss(out, loss);
+  }
+}
+
+template <int kBlock, typename partial_t, typename loss_t>
+void launch_finalize(const partial_t* partials, int64_t n, double* folded, double* scalars, loss_t* loss) {
+  finalize_kernel<kBlock, partial_t, loss_t><<<1, kBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      partials, n, folded, scalars, loss);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// One block of rows as the kernels read it.
+struct Block {
+  at::Tensor features; // (N, D) contiguous, input dtype
+  at::Tensor labels; // (N,) contiguous int64
+  int64_t size() const { return features.size(0); }
+  int64_t dim() const { return features.size(1); }
+};
+
+inline Block prepare(const at::Tensor& features, const at::Tensor& labels) {
+  return {features.contiguous(), labels.to(at::kLong).contiguous()};
+}
+
+} // namespace
+} // namespace circle_loss
