@@ -1,5 +1,6 @@
-"""circle_loss.distributed in real multi-process runs (gloo on CPU): the global
-loss and each rank's gradient equal the single-process op on the whole batch."""
+"""circle_loss.distributed in real multi-process runs (gloo on CPU, NCCL on two
+GPUs): every rank gets the global batch's loss, and the ranks' gradients put
+together are the whole batch's gradient, both as the float64 reference has them."""
 
 import os
 import socket
@@ -14,9 +15,9 @@ import torch.distributed as dist
 import circle_loss
 import circle_loss.distributed
 from distributed_worker import global_batch, split_sizes
+from reference import assert_matches_reference
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
-TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}  # relative, vs the single-process op
 
 
 def free_port() -> int:
@@ -47,36 +48,34 @@ def run_ranks(world, out_dir, extra=()):
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
 
 
-def check_against_single_process(results, world, device):
+def check_against_reference(results, world, device):
+    # Against the float64 reference, not the single-process op: in float32 two
+    # exact implementations differ by their own rounding, amplified by gamma.
     sizes = split_sizes(300, world)
     assert (0 in sizes) == (world >= 3)
     for dtype in (torch.float64, torch.float32):
         features, labels = global_batch(300, 32, dtype, device)
-        x = features.clone().requires_grad_()
-        expected = torch.ops.circle.loss(x, labels, 0.25, 64.0)
-        expected.backward()
         grads = []
         for r, result in enumerate(results):
             got = result[str(dtype)]
-            assert got["loss"].item() == pytest.approx(expected.item(), rel=TOLERANCE[dtype])
             assert torch.equal(got["loss"], results[0][str(dtype)]["loss"])  # every rank: the same bits
             assert torch.equal(got["no_grad_loss"], got["loss"])
             assert got["grad"].shape == (sizes[r], 32)
-            grads.append(got["grad"])
-        full = torch.cat(grads).to(device)
-        assert ((full - x.grad).norm() / x.grad.norm()).item() <= TOLERANCE[dtype]
+            grads.append(got["grad"].to(device))
+        loss = results[0][str(dtype)]["loss"].to(device)
+        assert_matches_reference(loss, torch.cat(grads), features, labels, 0.25, 64.0)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
 @pytest.mark.parametrize("world", [2, 3])
-def test_gloo_ranks_match_single_process(world, tmp_path):
-    check_against_single_process(run_ranks(world, tmp_path), world, "cpu")
+def test_gloo_ranks_match_reference(world, tmp_path):
+    check_against_reference(run_ranks(world, tmp_path), world, "cpu")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(), reason="needs 2 GPUs and NCCL")
-def test_nccl_ranks_match_single_process(tmp_path):
+def test_nccl_ranks_match_reference(tmp_path):
     results = run_ranks(2, tmp_path, extra=("--backend", "nccl", "--device", "cuda"))
-    check_against_single_process(results, 2, "cuda")
+    check_against_reference(results, 2, "cuda")
 
 
 def test_bad_input_is_refused_before_any_collective():
@@ -89,17 +88,14 @@ def test_bad_input_is_refused_before_any_collective():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_block_ops_compose_to_the_op(device, dtype):
-    tol = TOLERANCE[dtype]
     features, labels = global_batch(130, 16, dtype, device)
     halves = [(features[:50], labels[:50]), (features[50:], labels[50:])]
     partials = torch.stack([torch.ops.circle._lse_partials(r, rl, c, cl, 0.25, 64.0)
                             for r, rl in halves for c, cl in halves])
     scalars = torch.ops.circle._lse_finish(partials)
-    assert scalars[2].item() == pytest.approx(torch.ops.circle.loss(features, labels, 0.25, 64.0).item(), rel=tol)
     grad = torch.cat([sum(torch.ops.circle._block_grad(r, rl, c, cl, scalars, 0.25, 64.0) for c, cl in halves)
                       for r, rl in halves])
-    _, expected = torch.ops.circle._loss_with_grad(features, labels, 0.25, 64.0)
-    assert ((grad - expected).norm() / expected.norm()).item() <= tol
+    assert_matches_reference(scalars[2].to(dtype), grad.to(dtype), features, labels, 0.25, 64.0)
 
 
 def test_block_ops_opcheck(device):
