@@ -1,5 +1,5 @@
 // What the CUDA translation units of circle::loss share: the accumulation
-// types, the in-CTA LSE merge, the fixed-order fold of LSE partials into the
+// types, the in-CTA LSE fold, the fixed-order fold of LSE partials into the
 // loss, and the inputs as the kernels read them. In an anonymous namespace, as
 // the kernels are: each translation unit gets the instantiations it uses.
 #pragma once
@@ -66,8 +66,8 @@ __device__ __forceinline__ void block_reduce(T (&values)[2], Op op, T* scratch) 
 }
 
 // sum · exp(max - largest): a (max, Σ) state's sum at the stabiliser largest,
-// which is at least max. An empty state gives exactly 0; a state at an
-// infinite largest gives its sum; NaN propagates.
+// which is at least max. An empty state gives exactly 0, a state whose max is
+// the largest its sum (an infinite one too); NaN propagates.
 template <typename T>
 __device__ __forceinline__ T rescaled_sum(const LseState<T>& state, T largest) {
   return state.sum == T(0) ? T(0) : state.max == largest ? state.sum : state.sum * exp(state.max - largest);
