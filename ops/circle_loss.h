@@ -64,8 +64,9 @@ struct PairLogit {
 
 // Log-sum-exp of one pair set kept as (max, sum of exp(z - max)): the form in
 // which partial results from threads, tiles, blocks or ranks combine. An empty
-// set is (-inf, 0). NaN propagates, as in PyTorch. The one merge rule for the
-// CPU kernel, the CUDA kernels (T = float inside a CTA) and the final folds.
+// set is (-inf, 0). NaN propagates, as in PyTorch. add and merge are the CPU
+// kernel's rules; the CUDA folds (common.cuh) take the largest max first and
+// rescale every sum to it, the same arithmetic in an order that parallelises.
 template <typename T>
 struct LseState {
   T max = -std::numeric_limits<T>::infinity();

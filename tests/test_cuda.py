@@ -97,6 +97,22 @@ def test_small_batch_path_edges(batch, dim, dtype):
         assert torch.equal(torch.ops.circle.loss(features, labels), loss)
 
 
+# The small path copies rows as 16-byte vectors where they are aligned and
+# element by element where not, and tells the two sets' gradient terms apart
+# by their sign, which the sign of gamma flips.
+@pytest.mark.parametrize("gamma", [64.0, -3.0, 0.0])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_small_batch_alignment_and_gamma_sign(gamma, aligned):
+    features, labels = make_inputs(200, 64, 7, "cuda")
+    storage = torch.zeros(features.numel() + 1, device="cuda")
+    x = (storage[:-1] if aligned else storage[1:]).view_as(features)  # 4 bytes past a 16-byte boundary
+    x.copy_(features)
+    x.requires_grad_()
+    loss = torch.ops.circle.loss(x, labels, 0.25, gamma)
+    (grad,) = torch.autograd.grad(loss, x)
+    assert_matches_reference(loss, grad, features, labels, gamma=gamma)
+
+
 # Beyond 64 MiB of S the kernels work in several strips of rows, form each
 # strip once, and take negative weights against a running maximum that later
 # strips may raise; positive pairs are done class by class. B = 4500 gives 2

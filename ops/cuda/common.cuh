@@ -20,6 +20,16 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
+// Elements of T in 16 bytes: the unit of vector loads, stores and copies.
+template <typename T>
+constexpr int kVec = 16 / sizeof(T);
+
+// N values of T moved as one access.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Packed {
+  T v[N];
+};
+
 template <typename T>
 struct Acc {
   using type = float; // float32, float16, bfloat16: S and the partials in float32
@@ -43,14 +53,18 @@ __device__ __forceinline__ T nan_max(T a, T b) {
 // values[k] = op over the CTA's kBlock threads of their values[k], for both k,
 // in a fixed order: an xor-shuffle tree within each warp, then the warps in
 // index order. Every thread gets the result. scratch: 2 · kBlock / 32 values
-// of shared memory.
+// of shared memory. kBlock = 32 is one warp alone: no scratch, no barrier, so
+// any one warp of a larger CTA may call it.
 template <int kBlock, typename T, typename Op>
 __device__ __forceinline__ void block_reduce(T (&values)[2], Op op, T* scratch) {
-  const int warp = threadIdx.x / 32;
   for (int offset = 16; offset > 0; offset >>= 1) {
     values[0] = op(values[0], __shfl_xor_sync(0xffffffffu, values[0], offset));
     values[1] = op(values[1], __shfl_xor_sync(0xffffffffu, values[1], offset));
   }
+  if constexpr (kBlock == 32) {
+    return;
+  }
+  const int warp = threadIdx.x / 32;
   if (threadIdx.x % 32 == 0) {
     scratch[2 * warp] = values[0];
     scratch[2 * warp + 1] = values[1];
@@ -88,22 +102,33 @@ __device__ __forceinline__ void block_fold(LseState<T>& positive, LseState<T>& n
   negative = {largest[1], total[1]};
 }
 
-// Folds partials (n, 4) = (max_P, Σ_P, max_N, Σ_N) in float64 in a fixed
-// order: thread t merges partials t, t + kBlock, ..., then block_fold. The
-// same kBlock and n give the same bits wherever it runs. Every thread gets
-// the result. scratch: 2 · kBlock / 32 doubles of shared memory.
-template <int kBlock, typename partial_t>
+// Folds partials (n, 4) = (max_P, Σ_P, max_N, Σ_N) in T (float64 for the
+// loss) in a fixed order: thread t folds partials t, t + kBlock, ... (the
+// largest max first, then the sums rescaled to it: independent exps, not a
+// chain of merges), then block_fold. The same kBlock, T and n give the same
+// bits wherever it runs. Every thread gets the result. scratch: 2 · kBlock / 32
+// values of shared memory (none for one warp, kBlock = 32).
+template <int kBlock, typename T, typename partial_t>
 __device__ __forceinline__ void fold_partials(
     const partial_t* __restrict__ partials, // (n, 4)
     int64_t n,
-    double* scratch,
-    LseState<double>& positive,
-    LseState<double>& negative) {
+    T* scratch,
+    LseState<T>& positive,
+    LseState<T>& negative) {
   positive = {};
   negative = {};
+  // Unrolled so that a thread's loads are in flight together, not one by one.
+#pragma unroll 8
   for (int64_t t = threadIdx.x; t < n; t += kBlock) {
-    positive.merge(partials[4 * t], partials[4 * t + 1]);
-    negative.merge(partials[4 * t + 2], partials[4 * t + 3]);
+    positive.max = nan_max(positive.max, static_cast<T>(partials[4 * t]));
+    negative.max = nan_max(negative.max, static_cast<T>(partials[4 * t + 2]));
+  }
+#pragma unroll 8
+  for (int64_t t = threadIdx.x; t < n; t += kBlock) {
+    const LseState<T> positive_part{static_cast<T>(partials[4 * t]), static_cast<T>(partials[4 * t + 1])};
+    const LseState<T> negative_part{static_cast<T>(partials[4 * t + 2]), static_cast<T>(partials[4 * t + 3])};
+    positive.sum += rescaled_sum(positive_part, positive.max);
+    negative.sum += rescaled_sum(negative_part, negative.max);
   }
   block_fold<kBlock>(positive, negative, scratch);
 }
