@@ -88,7 +88,8 @@ TORCH_LIBRARY_IMPL(circle, Autograd, m) {
   m.impl("loss", &loss_autograd);
 }
 
-// Plain ATen arithmetic: one kernel serves every backend, Meta included.
+// Plain ATen arithmetic: one kernel serves every backend, Meta included; CUDA
+// has a vectorized one of its own (circle_loss_cuda.cu).
 TORCH_LIBRARY_IMPL(circle, CompositeExplicitAutograd, m) {
   m.impl("_loss_backward", &loss_backward);
 }

@@ -1,4 +1,5 @@
-// CUDA kernels of circle::loss, and its CUDA registrations.
+// CUDA kernels of circle::loss, and its CUDA registrations (the backward's
+// rescale, scale_kernel, among them).
 //
 // Batches of up to kSmallBatch rows take small_batch.cu's two launches; this
 // file is the path for larger ones, which leaves the GEMMs to cuBLAS.
@@ -36,6 +37,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/sort.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -719,6 +721,60 @@ at::Tensor block_grad_cuda(
   return grad;
 }
 
+// out = factor · values, the factor read once on the device.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) scale_kernel(
+    const scalar_t* __restrict__ values, // (n,), 16-byte aligned
+    const scalar_t* __restrict__ factor, // ()
+    int64_t n,
+    scalar_t* __restrict__ out) { // (n,), 16-byte aligned
+  using acc_t = typename Acc<scalar_t>::type;
+  using Vector = Packed<scalar_t, kVec<scalar_t>>;
+  const acc_t scale = static_cast<acc_t>(*factor);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  const int64_t vectors = n / kVec<scalar_t>;
+  for (int64_t k = first; k < vectors; k += stride) {
+    Vector x = reinterpret_cast<const Vector*>(values)[k];
+#pragma unroll
+    for (int v = 0; v < kVec<scalar_t>; ++v) x.v[v] = static_cast<scalar_t>(static_cast<acc_t>(x.v[v]) * scale);
+    reinterpret_cast<Vector*>(out)[k] = x;
+  }
+  for (int64_t k = vectors * kVec<scalar_t> + first; k < n; k += stride) {
+    out[k] = static_cast<scalar_t>(static_cast<acc_t>(values[k]) * scale);
+  }
+}
+
+// The backward, grad_loss · the gradient saved by the forward pass, reading
+// the 0-dim grad_loss on the device: ATen's mul takes its strided kernel for
+// a 0-dim operand (2.2 µs at B = 256, D = 512), this moves 16-byte vectors.
+// Anything but what autograd passes (one dtype and device, the saved gradient
+// contiguous and aligned) goes to at::mul, which rounds alike.
+at::Tensor loss_backward_cuda(
+    const at::Tensor& grad_loss, // ()
+    const at::Tensor& grad_features) { // (B, D)
+  const bool vectorized = grad_loss.dim() == 0 && grad_loss.device() == grad_features.device() &&
+      grad_loss.scalar_type() == grad_features.scalar_type() && grad_features.is_contiguous() &&
+      reinterpret_cast<uintptr_t>(grad_features.data_ptr()) % 16 == 0;
+  if (!vectorized) {
+    return at::mul(grad_features, grad_loss);
+  }
+  const c10::cuda::CUDAGuard guard(grad_features.device());
+  at::Tensor out = at::empty_like(grad_features, at::MemoryFormat::Contiguous);
+  const int64_t n = grad_features.numel();
+  if (n == 0) {
+    return out;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_features.scalar_type(), "circle_loss_backward_cuda", [&] {
+    const int64_t vectors = std::max<int64_t>(n / kVec<scalar_t>, 1);
+    const auto blocks = static_cast<unsigned>(std::min<int64_t>((vectors + kThreads - 1) / kThreads, 4096));
+    scale_kernel<scalar_t><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        grad_features.data_ptr<scalar_t>(), grad_loss.data_ptr<scalar_t>(), n, out.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
 } // namespace
 
 TORCH_LIBRARY_IMPL(circle, CUDA, m) {
@@ -727,6 +783,7 @@ TORCH_LIBRARY_IMPL(circle, CUDA, m) {
   m.impl("_lse_partials", &lse_partials_cuda);
   m.impl("_lse_finish", &lse_finish_cuda);
   m.impl("_block_grad", &block_grad_cuda);
+  m.impl("_loss_backward", &loss_backward_cuda);
 }
 
 } // namespace circle_loss
