@@ -1,7 +1,10 @@
 """Where one call of torch.ops.circle.loss spends its time: host-side ATen ops
-and launches, and the GPU kernels, from torch.profiler.
+and launches, and the GPU kernels, from torch.profiler. With --graph, the
+kernels of forward+backward replayed from a CUDA graph, back to back as the
+graph-replay figure runs them (eager calls leave the GPU idle between them).
 
     python bench/profile_op.py --sizes 256 16384
+    python bench/profile_op.py --sizes 256 512 --graph
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--graph", action="store_true", help="profile CUDA-graph replays of forward+backward")
     args = parser.parse_args()
+    if args.graph:
+        return profile_graph_replays(args)
     for batch in args.sizes:
         features, labels = make_inputs(batch, args.dim, getattr(torch, args.dtype), "cuda", classes=100)
         leaf = features.clone().requires_grad_()
@@ -44,6 +50,30 @@ def main() -> None:
             print(f"\n=== B={batch} D={args.dim} {args.dtype} {name}, {args.calls} calls ===")
             print(averages.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
             print(averages.table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=60))
+
+
+def profile_graph_replays(args) -> None:
+    for batch in args.sizes:
+        features, labels = make_inputs(batch, args.dim, getattr(torch, args.dtype), "cuda", classes=100)
+        leaf = features.clone().requires_grad_()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                torch.autograd.grad(torch.ops.circle.loss(leaf, labels), leaf)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.autograd.grad(torch.ops.circle.loss(leaf, labels), leaf)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.calls):
+                graph.replay()
+            torch.cuda.synchronize()
+        print(f"\n=== B={batch} D={args.dim} {args.dtype} fwd+bwd graph replay, {args.calls} replays ===")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=60))
 
 
 if __name__ == "__main__":
