@@ -113,6 +113,31 @@ __device__ __forceinline__ void stage_vector(
   }
 }
 
+// A warp stages rows [first_row, first_row + kRows) of a matrix `width` wide,
+// columns [first_col, first_col + kCols), to shared memory kPitch apart, its
+// lanes taking kVec<T> elements each in turn; rows at or past `rows` and
+// columns past `width` as zeros.
+template <int kRows, int kCols, int kPitch, typename T>
+__device__ __forceinline__ void stage_rows(
+    T* shared,
+    const T* matrix,
+    int first_row,
+    int rows,
+    int first_col,
+    int width,
+    bool vectorized,
+    int lane) {
+  constexpr int kVectors = kCols / kVec<T>; // a row's
+  static_assert(kRows * kVectors % 32 == 0, "every lane copies as many vectors");
+#pragma unroll
+  for (int u = 0; u < kRows * kVectors / 32; ++u) {
+    const int e = lane + 32 * u;
+    const int row = first_row + e / kVectors;
+    const int col = e % kVectors * kVec<T>;
+    stage_vector(shared + e / kVectors * kPitch + col, matrix, row, first_col + col, row < rows, width, vectorized);
+  }
+}
+
 // Programmatic dependent launch (sm_90 on; no-ops before, and in a kernel
 // launched the ordinary way): the first lets the stream's next kernel, if it
 // was launched by launch_dependent, start now; the second waits until the
@@ -164,7 +189,6 @@ struct SimilarityShape {
   static constexpr int kChunk = 128 / sizeof(scalar_t);
   static constexpr int kPitch = kChunk + kVec<scalar_t>;
   static constexpr int kSlot = 2 * kTile * kPitch; // elements of one staged chunk
-  static constexpr int kCopies = 2 * kTile * kChunk / kVec<scalar_t> / 32; // per lane and chunk
   static constexpr size_t kSharedBytes = kWarps * kRing * kSlot * sizeof(scalar_t);
 };
 
@@ -205,14 +229,8 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
   const auto slot_of = [&](int chunk) { return ring + chunk / kWarps % kRing * Shape::kSlot; };
   const auto stage_chunk = [&](int chunk) {
     scalar_t* slot = slot_of(chunk);
-#pragma unroll
-    for (int u = 0; u < Shape::kCopies; ++u) {
-      const int e = lane + 32 * u;
-      const int r = e / (kChunk / V);
-      const int q = e % (kChunk / V);
-      const int row = r < kTile ? row0 + r : col0 + r - kTile;
-      stage_vector(slot + r * kPitch + q * V, features, row, chunk * kChunk + q * V, row < batch, dim, vectorized);
-    }
+    stage_rows<kTile, kChunk, kPitch>(slot, features, row0, batch, chunk * kChunk, dim, vectorized, lane);
+    stage_rows<kTile, kChunk, kPitch>(slot + kTile * kPitch, features, col0, batch, chunk * kChunk, dim, vectorized, lane);
   };
 
   const int chunks = (dim + kChunk - 1) / kChunk;
@@ -315,8 +333,6 @@ struct GradientShape {
   static constexpr int kWeights = kSpan * kTile; // acc_t a slot, then
   static constexpr int kFeatures = kSpan * kSliceCols; // scalar_t
   static constexpr size_t kSlotBytes = kWeights * sizeof(acc_t) + kFeatures * sizeof(scalar_t);
-  static constexpr int kWeightCopies = kWeights / kVec<acc_t> / 32; // per lane and chunk
-  static constexpr int kFeatureCopies = kFeatures / kVec<scalar_t> / 32;
   static constexpr int kOutputs = kTile * kSliceCols / kThreads; // per thread, in the final sum
   // Shared memory: the warps' staging, then their sums.
   static constexpr size_t kSharedBytes =
@@ -341,7 +357,6 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
   constexpr int kSpan = Shape::kSpan;
   constexpr int kSliceCols = Shape::kSliceCols;
   constexpr int V = kVec<acc_t>;
-  constexpr int kScalarVec = kVec<scalar_t>;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   __shared__ acc_t set_factor[2][kSmallBatch / kTile]; // [positive, negative][column block]
 
@@ -359,27 +374,11 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
     return reinterpret_cast<scalar_t*>(weights_of(chunk) + Shape::kWeights);
   };
   const auto stage_features = [&](int chunk) {
-    scalar_t* slot = features_of(chunk);
-#pragma unroll
-    for (int u = 0; u < Shape::kFeatureCopies; ++u) {
-      const int e = lane + 32 * u;
-      const int p = e / (kSliceCols / kScalarVec);
-      const int q = e % (kSliceCols / kScalarVec);
-      const int j = chunk * kSpan + p;
-      stage_vector(slot + p * kSliceCols + q * kScalarVec, features, j, col0 + q * kScalarVec, j < batch, dim,
-                   vectorized_features);
-    }
+    stage_rows<kSpan, kSliceCols, kSliceCols>(
+        features_of(chunk), features, chunk * kSpan, batch, col0, dim, vectorized_features, lane);
   };
   const auto stage_terms = [&](int chunk) {
-    acc_t* slot = weights_of(chunk);
-#pragma unroll
-    for (int u = 0; u < Shape::kWeightCopies; ++u) {
-      const int e = lane + 32 * u;
-      const int p = e / (kTile / V);
-      const int q = e % (kTile / V);
-      const int j = chunk * kSpan + p;
-      stage_vector(slot + p * kTile + q * V, terms, j, row0 + q * V, j < batch, batch, vectorized_terms);
-    }
+    stage_rows<kSpan, kTile, kTile>(weights_of(chunk), terms, chunk * kSpan, batch, row0, batch, vectorized_terms, lane);
   };
 
   // The features do not depend on the similarity kernel: their copies start
