@@ -44,7 +44,10 @@ def circle_loss_reference(
     alpha_n = torch.clamp_min(sn.detach() + margin, 0)
     zp = -gamma * alpha_p * (sp - (1 - margin))
     zn = gamma * alpha_n * (sn - margin)
-    return F.softplus(torch.logsumexp(zn, 0) + torch.logsumexp(zp, 0))
+    # F.softplus returns its input past `threshold` (20 by default), which is
+    # off by e^-z: 2e-9 at z = 20, beyond the float64 tolerance. From 40 on
+    # that is below float64's resolution.
+    return F.softplus(torch.logsumexp(zn, 0) + torch.logsumexp(zp, 0), threshold=40.0)
 
 
 def reference_loss_and_grad(
