@@ -3,24 +3,25 @@
 // There the strip path is bound by launches and latency: two cuBLAS calls and
 // four kernels of a few microseconds each, most SMs idle. Here the op is two
 // launches of our own, each spread over every SM:
-//   small_similarity_kernel  one CTA per kTile × kTile tile on or above the
-//                            diagonal of S: the tile's dot products and its
-//                            LSE partials (off-diagonal tiles count twice)
-//                            and, when the gradient is wanted, each pair's
-//                            term E_ij = exp(z_ij − m)·c_ij, m the tile's
-//                            largest z of the pair's set, written for the
-//                            tile and its mirror image to E, (B, B): 1 MiB at
-//                            most;
+//   small_similarity_kernel  one CTA per kTile × kTile tile above the diagonal
+//                            of S, or per two tiles on it: the dot products,
+//                            the CTA's LSE partials (off-diagonal tiles count
+//                            twice) and, when the gradient is wanted, each
+//                            pair's term E_ij = exp(z_ij − m)·c_ij, m the
+//                            CTA's largest z of the pair's set, written for
+//                            the tile and its mirror image to E, (B, B): 1 MiB
+//                            at most;
 //   small_gradient_kernel    one CTA per kTile rows × a slice of the features:
-//                            folds every tile's partial into the two LSEs
-//                            (each CTA the same way, in a fixed order, so all
-//                            agree), turns E into the weights
+//                            folds every partial into the two LSEs (each CTA
+//                            the same way, in a fixed order, so all agree),
+//                            turns E into the weights
 //                            W_ij = 2σ(Z)·exp(m − LSE)·E_ij (SPEC.md,
-//                            "Gradient"; one factor per tile and set, no exp
-//                            per pair) and multiplies them with F. It is
-//                            launched as a programmatic dependent of the
-//                            first kernel: its CTAs start, and fetch their
-//                            features, while that one finishes.
+//                            "Gradient"; one factor per CTA and set, no exp
+//                            per pair) and multiplies them with F; one more
+//                            CTA folds the loss. It is launched as a
+//                            programmatic dependent of the first kernel: its
+//                            CTAs start, and fetch their features, while that
+//                            one finishes.
 // The loss alone is the first kernel and finalize_kernel.
 //
 // Each warp streams its own chunks of F (and of E) into shared memory with
@@ -37,6 +38,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <utility>
 
 namespace circle_loss {
@@ -160,10 +163,6 @@ __device__ __forceinline__ int upper_triangle_start(int row, int edge) {
   return row * (2 * edge - row + 1) / 2;
 }
 
-__device__ __forceinline__ int upper_triangle_index(int row, int col, int edge) {
-  return upper_triangle_start(row, edge) + col - row;
-}
-
 struct TilePosition {
   int row;
   int col;
@@ -179,11 +178,49 @@ __device__ __forceinline__ TilePosition upper_triangle_tile(int index, int edge)
   return {row, row + index - upper_triangle_start(row, edge)};
 }
 
-// small_similarity_kernel: each warp takes every kWarps-th chunk of kChunk
-// features (128 bytes of a row) and stages the tile's 16 rows, then its 16
-// columns, kPitch apart (a 16-byte pad, so that the 8 rows a load touches fall
-// in different banks). Lane l holds 2 × 4 dot products: rows l/4 and l/4 + 8,
-// columns l%4 + 4c.
+// What one similarity CTA computes: a tile (a, b) above the diagonal, or two
+// diagonal tiles (a, a) and (b, b), b = a + 1 (past the last row block when
+// edge is odd). Pairing the diagonal tiles, each as much work as a tile off
+// it, gives edge²/2 CTAs: 128 at B = 256, one for each SM of an H200, where
+// the 136 tiles one by one doubled up on 4 SMs that then finished last.
+struct SimilarityUnit {
+  int a;
+  int b;
+  bool diagonal_pair;
+};
+
+__host__ __device__ constexpr int off_diagonal_tiles(int edge) {
+  return edge * (edge - 1) / 2;
+}
+
+__host__ __device__ constexpr int similarity_units(int edge) {
+  return off_diagonal_tiles(edge) + (edge + 1) / 2;
+}
+
+// The tiles above the diagonal come first, numbered row by row (those of an
+// edge × edge grid above its diagonal are the tiles on or above the diagonal
+// of an (edge − 1)-grid, one column to the right), then the diagonal pairs.
+__device__ __forceinline__ SimilarityUnit similarity_unit(int index, int edge) {
+  const int off_diagonal = off_diagonal_tiles(edge);
+  if (index >= off_diagonal) {
+    const int a = 2 * (index - off_diagonal);
+    return {a, a + 1, true};
+  }
+  const TilePosition tile = upper_triangle_tile(index, edge - 1);
+  return {tile.row, tile.col + 1, false};
+}
+
+// The similarity CTA, and so the partial, of tile (row, col), row <= col.
+__device__ __forceinline__ int similarity_unit_of(int row, int col, int edge) {
+  return row == col ? off_diagonal_tiles(edge) + row / 2 : upper_triangle_start(row, edge - 1) + col - 1 - row;
+}
+
+// small_similarity_kernel: off the diagonal each warp takes every kWarps-th
+// chunk of kChunk features (128 bytes of a row) and stages the tile's 16 rows,
+// then its 16 columns, kPitch apart (a 16-byte pad, so that the rows a load
+// of 8 lanes touches fall in different banks); for a diagonal pair, warps
+// [0, kWarps/2) take block a and the others block b, every (kWarps/2)-th
+// chunk of its 16 rows, which are the tile's columns too.
 template <typename scalar_t>
 struct SimilarityShape {
   static constexpr int kChunk = 128 / sizeof(scalar_t);
@@ -202,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
     bool vectorized, // rows of features 16-byte aligned
     PairLogit<acc_t> logit,
     acc_t* __restrict__ terms, // (B, B) or null
-    acc_t* __restrict__ partials) { // (tiles, 4)
+    acc_t* __restrict__ partials) { // (units, 4)
   using Shape = SimilarityShape<scalar_t>;
   constexpr int kChunk = Shape::kChunk;
   constexpr int kPitch = Shape::kPitch;
@@ -212,97 +249,164 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
   __shared__ acc_t fold_scratch[2 * kWarps];
   allow_dependents_to_start(); // the gradient kernel's CTAs may take free SMs now
 
-  const TilePosition tile_at = upper_triangle_tile(blockIdx.x, (batch + kTile - 1) / kTile);
-  const int row0 = tile_at.row * kTile;
-  const int col0 = tile_at.col * kTile;
-  const bool diagonal = row0 == col0;
-  // This thread's entry of the tile in the epilogue; its labels are loaded now.
-  const int i = row0 + threadIdx.x / kTile;
-  const int j = col0 + threadIdx.x % kTile;
-  const bool inside = i < batch && j < batch;
-  const int64_t label_i = inside ? labels[i] : 0;
-  const int64_t label_j = inside ? labels[j] : 0;
-
+  const SimilarityUnit unit = similarity_unit(blockIdx.x, (batch + kTile - 1) / kTile);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  // Warps that share one tile, and this warp's place among them.
+  const int team = unit.diagonal_pair ? kWarps / 2 : kWarps;
+  const int rank = warp % team;
+  const int row0 = (unit.diagonal_pair && warp >= team ? unit.b : unit.a) * kTile;
+  const int col0 = unit.b * kTile;
+
+  // The tiles' entries in the epilogue, one a thread (two for a diagonal
+  // pair); their labels are loaded now.
+  const int entries = unit.diagonal_pair ? 2 : 1;
+  int entry_i[2];
+  int entry_j[2];
+  bool entry_inside[2];
+  bool entry_positive[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int tile_row = unit.diagonal_pair && e == 1 ? unit.b : unit.a;
+    const int tile_col = unit.diagonal_pair ? tile_row : unit.b;
+    entry_i[e] = tile_row * kTile + threadIdx.x / kTile;
+    entry_j[e] = tile_col * kTile + threadIdx.x % kTile;
+    entry_inside[e] = e < entries && entry_i[e] < batch && entry_j[e] < batch;
+    entry_positive[e] = entry_inside[e] && labels[entry_i[e]] == labels[entry_j[e]];
+  }
+
+  // A diagonal pair's warps stage 16 rows a chunk, half a slot, so their ring
+  // holds twice as many chunks: 8 KiB in flight a warp either way.
+  const int ring_size = unit.diagonal_pair ? 2 * kRing : kRing;
+  const int entry_size = unit.diagonal_pair ? kTile * kPitch : Shape::kSlot;
   scalar_t* ring = reinterpret_cast<scalar_t*>(shared_bytes) + warp * kRing * Shape::kSlot;
-  const auto slot_of = [&](int chunk) { return ring + chunk / kWarps % kRing * Shape::kSlot; };
+  const auto slot_of = [&](int chunk) { return ring + chunk / team % ring_size * entry_size; };
   const auto stage_chunk = [&](int chunk) {
     scalar_t* slot = slot_of(chunk);
     stage_rows<kTile, kChunk, kPitch>(slot, features, row0, batch, chunk * kChunk, dim, vectorized, lane);
-    stage_rows<kTile, kChunk, kPitch>(slot + kTile * kPitch, features, col0, batch, chunk * kChunk, dim, vectorized, lane);
+    if (!unit.diagonal_pair) {
+      stage_rows<kTile, kChunk, kPitch>(slot + kTile * kPitch, features, col0, batch, chunk * kChunk, dim, vectorized, lane);
+    }
   };
+  // Where the tile's columns are staged: after its rows, or the rows themselves.
+  const int columns_offset = unit.diagonal_pair ? 0 : kTile * kPitch;
 
   const int chunks = (dim + kChunk - 1) / kChunk;
 #pragma unroll
-  for (int q = 0; q < kRing; ++q) {
-    if (warp + q * kWarps < chunks) stage_chunk(warp + q * kWarps);
-    commit_copies();
+  for (int q = 0; q < 2 * kRing; ++q) {
+    if (q < ring_size) {
+      if (rank + q * team < chunks) stage_chunk(rank + q * team);
+      commit_copies();
+    }
   }
-  const int li = lane / 4;
-  const int lj = lane % 4;
-  acc_t dot[2][4] = {};
-  for (int c = warp; c < chunks; c += kWarps) {
-    wait_copies<kRing - 1>(); // this lane's copies of chunk c have landed
+  // Lane l multiplies features [q·kChunk/4, (q + 1)·kChunk/4) of each chunk,
+  // q = l/8, for the tile's rows g + 4x and columns h + 2y, g = (l%8)/2,
+  // h = l%2: 12 loads from shared memory for 32·V products. (A 2 × 4 block
+  // over the whole chunk took 6 loads for 8·V, and shared memory's bandwidth
+  // set the loop's time: bench/NOTES.md, v7.)
+  const int quarter = lane / 8;
+  const int g = lane % 8 / 2;
+  const int h = lane % 2;
+  acc_t dot[4][8] = {};
+  for (int c = rank; c < chunks; c += team) {
+    // This lane's copies of chunk c have landed
+    if (unit.diagonal_pair) {
+      wait_copies<2 * kRing - 1>();
+    } else {
+      wait_copies<kRing - 1>();
+    }
     __syncwarp(); // and every lane's
     const scalar_t* slot = slot_of(c);
 #pragma unroll
-    for (int k = 0; k < kChunk; k += V) {
-      Packed<acc_t, V> a[2];
-      Packed<acc_t, V> b[4];
+    for (int u = 0; u < kChunk / 4 / V; ++u) {
+      const int k = quarter * (kChunk / 4) + u * V;
+      Packed<acc_t, V> a[4];
+      Packed<acc_t, V> b[8];
 #pragma unroll
-      for (int x = 0; x < 2; ++x) a[x] = load_as<acc_t, V>(slot + (li + 8 * x) * kPitch + k);
+      for (int x = 0; x < 4; ++x) a[x] = load_as<acc_t, V>(slot + (g + 4 * x) * kPitch + k);
 #pragma unroll
-      for (int y = 0; y < 4; ++y) b[y] = load_as<acc_t, V>(slot + (kTile + lj + 4 * y) * kPitch + k);
+      for (int y = 0; y < 8; ++y) b[y] = load_as<acc_t, V>(slot + columns_offset + (h + 2 * y) * kPitch + k);
 #pragma unroll
-      for (int x = 0; x < 2; ++x) {
+      for (int x = 0; x < 4; ++x) {
 #pragma unroll
-        for (int y = 0; y < 4; ++y) {
+        for (int y = 0; y < 8; ++y) {
 #pragma unroll
           for (int v = 0; v < V; ++v) dot[x][y] += a[x].v[v] * b[y].v[v];
         }
       }
     }
     __syncwarp(); // every lane is done with the slot
-    if (c + kRing * kWarps < chunks) stage_chunk(c + kRing * kWarps);
+    if (c + ring_size * team < chunks) stage_chunk(c + ring_size * team);
     commit_copies();
+  }
+  // The quarters' sums, added across lanes l, l^8, l^16, l^24: each step keeps
+  // half of what a lane holds and adds its partner's other half, so the lane
+  // ends with rows g + 4x, x = 2·(q/2) + [0, 2), columns h + 2y,
+  // y = 4·(q%2) + [0, 4).
+  const bool upper_rows = quarter / 2 == 1;
+  const bool upper_columns = quarter % 2 == 1;
+  acc_t rows_half[2][8];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+#pragma unroll
+    for (int y = 0; y < 8; ++y) {
+      const acc_t kept = upper_rows ? dot[2 + x][y] : dot[x][y];
+      const acc_t given = upper_rows ? dot[x][y] : dot[2 + x][y];
+      rows_half[x][y] = kept + __shfl_xor_sync(0xffffffffu, given, 16);
+    }
+  }
+  acc_t quarter_sums[2][4];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+#pragma unroll
+    for (int y = 0; y < 4; ++y) {
+      const acc_t kept = upper_columns ? rows_half[x][4 + y] : rows_half[x][y];
+      const acc_t given = upper_columns ? rows_half[x][y] : rows_half[x][4 + y];
+      quarter_sums[x][y] = kept + __shfl_xor_sync(0xffffffffu, given, 8);
+    }
   }
   __syncthreads(); // every warp is done with its chunks: the space holds the sums now
   acc_t* warp_dots = reinterpret_cast<acc_t*>(shared_bytes); // [warp][row][column]
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
 #pragma unroll
-    for (int y = 0; y < 4; ++y) warp_dots[(warp * kTile + li + 8 * x) * kTile + lj + 4 * y] = dot[x][y];
+    for (int y = 0; y < 4; ++y) {
+      const int row = g + 4 * (2 * upper_rows + x);
+      const int column = h + 2 * (4 * upper_columns + y);
+      warp_dots[(warp * kTile + row) * kTile + column] = quarter_sums[x][y];
+    }
   }
   __syncthreads();
 
-  acc_t s = acc_t(0);
-  for (int w = 0; w < kWarps; ++w) s += warp_dots[w * kTile * kTile + threadIdx.x];
-  // One term a thread; the tile's multiplicity (off the diagonal the mirror
-  // counts too) scales its sums below.
-  const bool is_positive = label_i == label_j;
-  acc_t slope;
-  const acc_t z = logit(s, is_positive, &slope);
+  // One or two terms a thread; the tile's multiplicity (off the diagonal the
+  // mirror counts too) scales its sums below.
+  acc_t z[2];
+  acc_t slope[2];
   LseState<acc_t> positive;
   LseState<acc_t> negative;
-  if (inside) {
-    if (is_positive) {
-      positive = {z, acc_t(1)};
-    } else {
-      negative = {z, acc_t(1)};
-    }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    acc_t s = acc_t(0);
+    for (int w = e * team; w < (e + 1) * team && w < kWarps; ++w) s += warp_dots[w * kTile * kTile + threadIdx.x];
+    z[e] = logit(s, entry_positive[e], &slope[e]);
+    if (entry_inside[e] && entry_positive[e]) positive.add(z[e], acc_t(1));
+    if (entry_inside[e] && !entry_positive[e]) negative.add(z[e], acc_t(1));
   }
   block_fold<kThreads>(positive, negative, fold_scratch);
-  if (terms != nullptr && inside) {
-    // E = exp(z − m)·c, m the tile's largest z of the pair's set (every
-    // thread has it from the fold).
-    const LseState<acc_t> entry{z, acc_t(1)};
-    const acc_t term = rescaled_sum(entry, is_positive ? positive.max : negative.max) * slope;
-    terms[i * batch + j] = term;
-    if (!diagonal) terms[j * batch + i] = term;
+  if (terms != nullptr) {
+    // E = exp(z − m)·c, m the CTA's largest z of the pair's set (every thread
+    // has it from the fold).
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      if (!entry_inside[e]) continue;
+      const LseState<acc_t> entry{z[e], acc_t(1)};
+      const acc_t term = rescaled_sum(entry, entry_positive[e] ? positive.max : negative.max) * slope[e];
+      terms[entry_i[e] * batch + entry_j[e]] = term;
+      if (!unit.diagonal_pair) terms[entry_j[e] * batch + entry_i[e]] = term;
+    }
   }
   if (threadIdx.x == 0) {
-    const acc_t multiplicity = diagonal ? acc_t(1) : acc_t(2);
+    const acc_t multiplicity = unit.diagonal_pair ? acc_t(1) : acc_t(2);
     acc_t* out = partials + 4 * blockIdx.x;
     out[0] = positive.max;
     out[1] = multiplicity * positive.sum;
@@ -311,14 +415,43 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
   }
 }
 
-// 2σ(Z)·exp(m − LSE): what turns a tile's terms exp(z − m)·c of one set into
-// gradient weights. A set the tile does not hold (m = −inf) gets 0, which also
-// keeps the zeros staged for rows and partners outside the batch zeros.
+// What turns a CTA's terms exp(z − m)·c of one set into gradient weights,
+// 2σ(Z)·exp(m − LSE), folded from the partials by one warp in acc_t. The loss
+// itself is folded in float64 (fold_partials, finish_loss) by a CTA of its
+// own. Every gradient CTA waits for this fold: in float32, and without the
+// loss's softplus, its chain of exps and logs is about 2 µs shorter at
+// B = 256 (bench/NOTES.md, v7).
 template <typename acc_t>
-__device__ __forceinline__ acc_t set_factor_of(acc_t tile_max, double lse, double grad_scale) {
-  return tile_max == -std::numeric_limits<acc_t>::infinity()
-      ? acc_t(0)
-      : static_cast<acc_t>(grad_scale * exp(static_cast<double>(tile_max) - lse));
+struct WeightScales {
+  acc_t max[2]; // [positive, negative]: the set's largest z
+  acc_t log_sum[2]; // log Σ exp(z − max)
+  acc_t grad_scale; // 2σ(Z)
+
+  // The factor of a CTA's terms of one set, m its largest z of that set. A
+  // set the CTA does not hold (m = −inf) gets 0, which also keeps the zeros
+  // staged for rows and partners outside the batch zeros.
+  __device__ __forceinline__ acc_t factor(int set, acc_t cta_max) const {
+    return cta_max == -std::numeric_limits<acc_t>::infinity()
+        ? acc_t(0)
+        : grad_scale * exp((cta_max - max[set]) - log_sum[set]);
+  }
+};
+
+template <typename acc_t>
+__device__ __forceinline__ WeightScales<acc_t> fold_weight_scales(const acc_t* partials, int units) {
+  LseState<acc_t> positive;
+  LseState<acc_t> negative;
+  fold_partials<32>(partials, units, static_cast<acc_t*>(nullptr), positive, negative);
+  WeightScales<acc_t> out;
+  out.max[0] = positive.max;
+  out.max[1] = negative.max;
+  out.log_sum[0] = log(positive.sum);
+  out.log_sum[1] = log(negative.sum);
+  // Z = LSE_P + LSE_N, summed in float64: the maxima may be large and of
+  // opposite signs.
+  const double z = static_cast<double>(out.max[0]) + out.max[1] + out.log_sum[0] + out.log_sum[1];
+  out.grad_scale = acc_t(2) / (acc_t(1) + exp(-static_cast<acc_t>(z)));
+  return out;
 }
 
 // small_gradient_kernel: a CTA owns kTile rows and kSliceCols features of the
@@ -326,6 +459,7 @@ __device__ __forceinline__ acc_t set_factor_of(acc_t tile_max, double lse, doubl
 // stages their terms E[j][rows] (E is symmetric), turned into weights in
 // place, and their features F[j][slice]. Lane l holds 4 × 2V outputs: rows
 // 4·(l/8) + [0, 4), features V·(l%8) + [0, V) and the same kSliceCols/2 on.
+// One CTA more, the last, folds the loss.
 template <typename scalar_t, typename acc_t>
 struct GradientShape {
   static constexpr int kSpan = 64 / sizeof(acc_t);
@@ -340,6 +474,11 @@ struct GradientShape {
   static_assert(kTile % kSpan == 0, "a chunk's partners lie in one column block");
 };
 
+// The loss of the small path, from the similarity kernel's partials: the
+// gradient kernel's last CTA and, for the loss alone, finalize_kernel fold
+// them alike, so that both paths give the same bits.
+constexpr int kLossFoldThreads = kThreads;
+
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
     const scalar_t* __restrict__ features, // (B, D)
@@ -348,8 +487,8 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
     bool vectorized_features, // rows of features 16-byte aligned
     bool vectorized_terms, // rows of terms 16-byte aligned
     const acc_t* __restrict__ terms, // (B, B)
-    const acc_t* __restrict__ partials, // (tiles, 4)
-    int tiles,
+    const acc_t* __restrict__ partials, // (units, 4)
+    int units,
     bool gamma_negative,
     scalar_t* __restrict__ loss, // ()
     scalar_t* __restrict__ grad) { // (B, D)
@@ -359,11 +498,22 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
   constexpr int V = kVec<acc_t>;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   __shared__ acc_t set_factor[2][kSmallBatch / kTile]; // [positive, negative][column block]
+  __shared__ __align__(16) acc_t staged_partials[4 * similarity_units(kSmallBatch / kTile)];
 
+  if (blockIdx.x == gridDim.x - 1) {
+    __shared__ double scratch[2 * kLossFoldThreads / 32];
+    static_assert(kLossFoldThreads == kThreads, "the loss CTA folds with all its threads");
+    wait_for_prerequisites();
+    LseState<double> positive_set;
+    LseState<double> negative_set;
+    fold_partials<kLossFoldThreads>(partials, units, scratch, positive_set, negative_set);
+    if (threadIdx.x == 0) store_loss(finish_loss(positive_set.lse(), negative_set.lse()), loss);
+    return;
+  }
   const int edge = (batch + kTile - 1) / kTile;
-  const int row_block = blockIdx.x;
+  const int row_block = blockIdx.x % edge;
   const int row0 = row_block * kTile;
-  const int col0 = blockIdx.y * kSliceCols;
+  const int col0 = blockIdx.x / edge * kSliceCols;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   unsigned char* ring = shared_bytes + warp * kRing * Shape::kSlotBytes;
@@ -389,32 +539,40 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
     if (warp + q * kWarps < chunks) stage_features(warp + q * kWarps);
   }
   wait_for_prerequisites();
+  // The partials go to shared memory in the same group as the first terms:
+  // one trip to L2 for the fold and the factors.
+  constexpr int kPartialVectors = 4 / kVec<acc_t>; // 16-byte vectors a partial
+  for (int e = threadIdx.x; e < units * kPartialVectors; e += kThreads) {
+    copy_16(staged_partials + e * kVec<acc_t>, partials + e * kVec<acc_t>, true);
+  }
 #pragma unroll
   for (int q = 0; q < kRing; ++q) {
     if (warp + q * kWarps < chunks) stage_terms(warp + q * kWarps);
     commit_copies();
   }
+  wait_copies<kRing - 1>();
+  __syncthreads(); // every thread's copies of the partials have landed
 
-  // Warp 0 folds the partials, as finalize_kernel<32> does for the loss alone
-  // (every CTA alike, and to the bit with the loss-only path), and finds the
-  // factors of the tiles of its row block, one lane per column block.
+  // Warp 0 folds the partials and finds the factors of the tiles of its row
+  // block, one lane per column block.
   if (warp == 0) {
-    LseState<double> positive_set;
-    LseState<double> negative_set;
-    fold_partials<32>(partials, tiles, static_cast<double*>(nullptr), positive_set, negative_set);
-    const LossScalars scalars = finish_loss(positive_set.lse(), negative_set.lse());
-    if (blockIdx.x == 0 && blockIdx.y == 0 && lane == 0) store_loss(scalars, loss);
+    const WeightScales<acc_t> scales = fold_weight_scales(staged_partials, units);
     if (lane < edge) {
-      const int tile = upper_triangle_index(min(row_block, lane), max(row_block, lane), edge);
-      set_factor[0][lane] = set_factor_of(partials[4 * tile], scalars.lse_positive, scalars.grad_scale);
-      set_factor[1][lane] = set_factor_of(partials[4 * tile + 2], scalars.lse_negative, scalars.grad_scale);
+      const int unit = similarity_unit_of(min(row_block, lane), max(row_block, lane), edge);
+      set_factor[0][lane] = scales.factor(0, staged_partials[4 * unit]);
+      set_factor[1][lane] = scales.factor(1, staged_partials[4 * unit + 2]);
     }
   }
   __syncthreads();
 
-  const int li = lane / 8;
-  const int lj = lane % 8;
-  acc_t sum[4][2 * V] = {};
+  // Lane l takes partners [h·kSpan/2, (h + 1)·kSpan/2) of each chunk,
+  // h = l/16, for rows 8·(l%16/8) + [0, 8) and features V·(l%8) + [0, V) and
+  // the same kSliceCols/2 on: 4 loads from shared memory for 16·V products,
+  // where a block of 4 rows over every partner took 3 for 8·V.
+  const int partner_half = lane / 16;
+  const int row_half = lane % 16 / 8;
+  const int lf = lane % 8;
+  acc_t sum[8][2 * V] = {};
   for (int c = warp; c < chunks; c += kWarps) {
     wait_copies<kRing - 1>(); // this lane's copies of chunk c have landed
     __syncwarp(); // and every lane's
@@ -434,16 +592,19 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
     }
     __syncwarp();
 #pragma unroll
-    for (int p = 0; p < kSpan; ++p) {
-      const Packed<acc_t, 4> w = load_as<acc_t, 4>(weight + p * kTile + 4 * li);
-      const Packed<acc_t, V> f0 = load_as<acc_t, V>(member + p * kSliceCols + V * lj);
-      const Packed<acc_t, V> f1 = load_as<acc_t, V>(member + p * kSliceCols + kSliceCols / 2 + V * lj);
+    for (int q = 0; q < kSpan / 2; ++q) {
+      const int p = partner_half * (kSpan / 2) + q;
+      Packed<acc_t, 4> w[2];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
+      for (int x = 0; x < 2; ++x) w[x] = load_as<acc_t, 4>(weight + p * kTile + 8 * row_half + 4 * x);
+      const Packed<acc_t, V> f0 = load_as<acc_t, V>(member + p * kSliceCols + V * lf);
+      const Packed<acc_t, V> f1 = load_as<acc_t, V>(member + p * kSliceCols + kSliceCols / 2 + V * lf);
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
 #pragma unroll
         for (int v = 0; v < V; ++v) {
-          sum[r][v] += w.v[r] * f0.v[v];
-          sum[r][V + v] += w.v[r] * f1.v[v];
+          sum[r][v] += w[r / 4].v[r % 4] * f0.v[v];
+          sum[r][V + v] += w[r / 4].v[r % 4] * f1.v[v];
         }
       }
     }
@@ -454,14 +615,27 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
     }
     commit_copies();
   }
+  // The two partner halves' sums, added across lanes l and l^16: the lane
+  // keeps rows 8·(l%16/8) + 4·h + [0, 4) and adds its partner's.
+  acc_t row_sums[4][2 * V];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+#pragma unroll
+    for (int v = 0; v < 2 * V; ++v) {
+      const acc_t kept = partner_half == 1 ? sum[4 + r][v] : sum[r][v];
+      const acc_t given = partner_half == 1 ? sum[r][v] : sum[4 + r][v];
+      row_sums[r][v] = kept + __shfl_xor_sync(0xffffffffu, given, 16);
+    }
+  }
   __syncthreads(); // every warp is done with its chunks: the space holds the sums now
   acc_t* warp_sums = reinterpret_cast<acc_t*>(shared_bytes); // [warp][row][feature]
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
 #pragma unroll
     for (int v = 0; v < 2 * V; ++v) {
-      const int feature = (v < V ? 0 : kSliceCols / 2) + V * lj + v % V;
-      warp_sums[(warp * kTile + 4 * li + r) * kSliceCols + feature] = sum[r][v];
+      const int row = 8 * row_half + 4 * partner_half + r;
+      const int feature = (v < V ? 0 : kSliceCols / 2) + V * lf + v % V;
+      warp_sums[(warp * kTile + row) * kSliceCols + feature] = row_sums[r][v];
     }
   }
   __syncthreads();
@@ -476,10 +650,21 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
   }
 }
 
-// Dynamic shared memory past 48 KiB must be asked for, per kernel and device.
+// Kernel attributes hold per device: set once on each, the first time the
+// kernel runs there. Dynamic shared memory past 48 KiB must be asked for. The
+// largest shared-memory carveout lets a gradient CTA, started early by its
+// dependent launch, fit on an SM beside a similarity CTA: by default the
+// driver sizes an SM's carveout for the kernel it runs first, which left too
+// little room (v7 in bench/NOTES.md).
 template <typename Kernel>
-void allow_shared_bytes(Kernel* kernel, size_t bytes) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+void configure_kernel(Kernel* kernel, size_t dynamic_shared_bytes) {
+  static const std::unique_ptr<std::once_flag[]> configured(new std::once_flag[c10::cuda::device_count()]);
+  std::call_once(configured[c10::cuda::current_device()], [&] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic_shared_bytes)));
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  });
 }
 
 // Launches `kernel` on the current stream as a programmatic dependent of the
@@ -515,35 +700,37 @@ void small_batch(
   const int batch = static_cast<int>(features.size(0));
   const int dim = static_cast<int>(features.size(1));
   const int edge = (batch + kTile - 1) / kTile;
-  const int tiles = edge * (edge + 1) / 2;
+  const int units = similarity_units(edge);
   const PairLogit<acc_t> logit{static_cast<acc_t>(margin), static_cast<acc_t>(gamma)};
   const scalar_t* feature_data = features.data_ptr<scalar_t>();
   const bool vectorized = dim % kVec<scalar_t> == 0 && reinterpret_cast<uintptr_t>(feature_data) % 16 == 0;
-  // The tiles' partials, then E when the gradient needs it (16-byte aligned:
-  // 4 values a tile).
+  // The CTAs' partials, then E when the gradient needs it (16-byte aligned:
+  // 4 values a CTA).
   at::Tensor workspace =
-      at::empty({4 * tiles + (grad != nullptr ? int64_t{batch} * batch : 0)}, features.options().dtype(dtype_of<acc_t>()));
+      at::empty({4 * units + (grad != nullptr ? int64_t{batch} * batch : 0)}, features.options().dtype(dtype_of<acc_t>()));
   acc_t* partials = workspace.data_ptr<acc_t>();
-  acc_t* terms = grad != nullptr ? partials + 4 * tiles : nullptr;
+  acc_t* terms = grad != nullptr ? partials + 4 * units : nullptr;
 
   constexpr auto similarity_kernel = small_similarity_kernel<scalar_t, acc_t>;
   constexpr size_t similarity_bytes = SimilarityShape<scalar_t>::kSharedBytes;
-  allow_shared_bytes(similarity_kernel, similarity_bytes);
-  similarity_kernel<<<tiles, kThreads, similarity_bytes, c10::cuda::getCurrentCUDAStream()>>>(
+  configure_kernel(similarity_kernel, similarity_bytes);
+  similarity_kernel<<<units, kThreads, similarity_bytes, c10::cuda::getCurrentCUDAStream()>>>(
       feature_data, labels.data_ptr<int64_t>(), batch, dim, vectorized, logit, terms, partials);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (grad == nullptr) {
-    launch_finalize<32, acc_t, scalar_t>(partials, tiles, nullptr, nullptr, loss.data_ptr<scalar_t>());
+    launch_finalize<kLossFoldThreads, acc_t, scalar_t>(partials, units, nullptr, nullptr, loss.data_ptr<scalar_t>());
     return;
   }
   *grad = at::empty_like(features);
   using Shape = GradientShape<scalar_t, acc_t>;
   constexpr auto gradient_kernel = small_gradient_kernel<scalar_t, acc_t>;
-  allow_shared_bytes(gradient_kernel, Shape::kSharedBytes);
-  const dim3 grid(edge, std::max((dim + Shape::kSliceCols - 1) / Shape::kSliceCols, 1));
+  configure_kernel(gradient_kernel, Shape::kSharedBytes);
+  // One CTA per row block and slice of the features, and the loss's.
+  const int slices = std::max((dim + Shape::kSliceCols - 1) / Shape::kSliceCols, 1);
+  const dim3 grid(edge * slices + 1);
   launch_dependent(gradient_kernel, grid, Shape::kSharedBytes, feature_data, batch, dim, vectorized,
                    batch % kVec<acc_t> == 0, static_cast<const acc_t*>(terms), static_cast<const acc_t*>(partials),
-                   tiles, std::signbit(gamma), loss.data_ptr<scalar_t>(), grad->data_ptr<scalar_t>());
+                   units, std::signbit(gamma), loss.data_ptr<scalar_t>(), grad->data_ptr<scalar_t>());
 }
 
 } // namespace
