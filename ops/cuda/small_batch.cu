@@ -457,9 +457,8 @@ __device__ __forceinline__ WeightScales<acc_t> fold_weight_scales(const acc_t* p
 // small_gradient_kernel: a CTA owns kTile rows and kSliceCols features of the
 // gradient. Each warp takes every kWarps-th chunk of kSpan partners j and
 // stages their terms E[j][rows] (E is symmetric), turned into weights in
-// place, and their features F[j][slice]. Lane l holds 4 × 2V outputs: rows
-// 4·(l/8) + [0, 4), features V·(l%8) + [0, V) and the same kSliceCols/2 on.
-// One CTA more, the last, folds the loss.
+// place, and their features F[j][slice]. One CTA more, the last, folds the
+// loss.
 template <typename scalar_t, typename acc_t>
 struct GradientShape {
   static constexpr int kSpan = 64 / sizeof(acc_t);
