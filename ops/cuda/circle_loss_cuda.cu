@@ -721,7 +721,9 @@ at::Tensor block_grad_cuda(
   return grad;
 }
 
-// out = factor · values, the factor read once on the device.
+// out = factor · values, the factor read once on the device. Launched as a
+// programmatic dependent: its CTAs are placed while the kernel before it (the
+// one that wrote factor, in autograd's backward) finishes.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) scale_kernel(
     const scalar_t* __restrict__ values, // (n,), 16-byte aligned
@@ -730,6 +732,7 @@ __global__ void __launch_bounds__(kThreads) scale_kernel(
     scalar_t* __restrict__ out) { // (n,), 16-byte aligned
   using acc_t = typename Acc<scalar_t>::type;
   using Vector = Packed<scalar_t, kVec<scalar_t>>;
+  wait_for_prerequisites();
   const acc_t scale = static_cast<acc_t>(*factor);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   const int64_t first = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
@@ -768,9 +771,8 @@ at::Tensor loss_backward_cuda(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_features.scalar_type(), "circle_loss_backward_cuda", [&] {
     const int64_t vectors = std::max<int64_t>(n / kVec<scalar_t>, 1);
     const auto blocks = static_cast<unsigned>(std::min<int64_t>((vectors + kThreads - 1) / kThreads, 4096));
-    scale_kernel<scalar_t><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        grad_features.data_ptr<scalar_t>(), grad_loss.data_ptr<scalar_t>(), n, out.data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_dependent(scale_kernel<scalar_t>, dim3(blocks), 0, grad_features.data_ptr<scalar_t>(),
+                     grad_loss.data_ptr<scalar_t>(), n, out.data_ptr<scalar_t>());
   });
   return out;
 }

@@ -8,10 +8,12 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
 #include <limits>
+#include <utility>
 
 namespace circle_loss {
 namespace {
@@ -173,6 +175,42 @@ void launch_finalize(const partial_t* partials, int64_t n, double* folded, doubl
   finalize_kernel<kBlock, partial_t, loss_t><<<1, kBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
       partials, n, folded, scalars, loss);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Programmatic dependent launch (sm_90 on; no-ops before, and in a kernel
+// launched the ordinary way): the first lets the stream's next kernel, if it
+// was launched by launch_dependent, start now; the second waits until the
+// stream's previous kernel has finished and its writes are visible.
+__device__ __forceinline__ void allow_dependents_to_start() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Launches `kernel` on the current stream as a programmatic dependent of the
+// stream's previous kernel (sm_90 on): it may start before that one has
+// finished, and calls wait_for_prerequisites() before reading its output.
+template <typename... Params, typename... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, size_t shared_bytes, Args&&... args) {
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = c10::cuda::getCurrentCUDAStream();
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c10::cuda::current_device()));
+  config.attrs = &attribute;
+  config.numAttrs = major >= 9 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 // One block of rows as the kernels read it.

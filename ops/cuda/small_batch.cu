@@ -40,7 +40,6 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <utility>
 
 namespace circle_loss {
 namespace {
@@ -139,22 +138,6 @@ __device__ __forceinline__ void stage_rows(
     const int col = e % kVectors * kVec<T>;
     stage_vector(shared + e / kVectors * kPitch + col, matrix, row, first_col + col, row < rows, width, vectorized);
   }
-}
-
-// Programmatic dependent launch (sm_90 on; no-ops before, and in a kernel
-// launched the ordinary way): the first lets the stream's next kernel, if it
-// was launched by launch_dependent, start now; the second waits until the
-// stream's previous kernel has finished and its writes are visible.
-__device__ __forceinline__ void allow_dependents_to_start() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wait_for_prerequisites() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
 }
 
 // Tiles (row, col), col >= row, of an edge × edge grid, numbered row by row:
@@ -664,26 +647,6 @@ void configure_kernel(Kernel* kernel, size_t dynamic_shared_bytes) {
     C10_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   });
-}
-
-// Launches `kernel` on the current stream as a programmatic dependent of the
-// stream's previous kernel (sm_90 on): it may start before that one has
-// finished, and calls wait_for_prerequisites() before reading its output.
-template <typename... Params, typename... Args>
-void launch_dependent(void (*kernel)(Params...), dim3 grid, size_t shared_bytes, Args&&... args) {
-  cudaLaunchAttribute attribute = {};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = shared_bytes;
-  config.stream = c10::cuda::getCurrentCUDAStream();
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c10::cuda::current_device()));
-  config.attrs = &attribute;
-  config.numAttrs = major >= 9 ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 // The loss, and with grad given dloss/dfeatures, of one small batch.
