@@ -83,10 +83,13 @@ __device__ __forceinline__ void block_reduce(T (&values)[2], Op op, T* scratch) 
 
 // sum · exp(max - largest): a (max, Σ) state's sum at the stabiliser largest,
 // which is at least max. An empty state gives exactly 0, a state whose max is
-// the largest its sum (an infinite one too); NaN propagates.
+// the largest its sum (an infinite one too); NaN propagates. The exp is taken
+// in every case, so that a thread's several calls compile to straight-line
+// code whose exps overlap, not to a branch around each.
 template <typename T>
 __device__ __forceinline__ T rescaled_sum(const LseState<T>& state, T largest) {
-  return state.sum == T(0) ? T(0) : state.max == largest ? state.sum : state.sum * exp(state.max - largest);
+  const T rescaled = state.sum * exp(state.max - largest);
+  return state.sum == T(0) ? T(0) : state.max == largest ? state.sum : rescaled;
 }
 
 // Folds every thread's state of both sets over a CTA of kBlock threads: the

@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 
 namespace circle_loss {
 namespace {
@@ -230,7 +231,6 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
   static_assert(kWarps * kTile * kTile * sizeof(acc_t) <= Shape::kSharedBytes, "the warps' sums fit in the staging space");
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   __shared__ acc_t fold_scratch[2 * kWarps];
-  allow_dependents_to_start(); // the gradient kernel's CTAs may take free SMs now
 
   const SimilarityUnit unit = similarity_unit(blockIdx.x, (batch + kTile - 1) / kTile);
   const int warp = threadIdx.x / 32;
@@ -290,37 +290,48 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
   const int quarter = lane / 8;
   const int g = lane % 8 / 2;
   const int h = lane % 2;
+  // A diagonal tile is symmetric: its lower-left quarter (rows 8–15, columns
+  // 0–7) mirrors the upper-right one and is not computed, which takes a
+  // quarter of the products off the diagonal pairs, the CTAs that finish last.
   acc_t dot[4][8] = {};
-  for (int c = rank; c < chunks; c += team) {
-    // This lane's copies of chunk c have landed
-    if (unit.diagonal_pair) {
-      wait_copies<2 * kRing - 1>();
-    } else {
-      wait_copies<kRing - 1>();
-    }
-    __syncwarp(); // and every lane's
-    const scalar_t* slot = slot_of(c);
+  const auto accumulate = [&](auto diagonal_pair) {
+    constexpr bool kDiagonalPair = decltype(diagonal_pair)::value;
+    for (int c = rank; c < chunks; c += team) {
+      wait_copies<kDiagonalPair ? 2 * kRing - 1 : kRing - 1>(); // this lane's copies of chunk c have landed
+      __syncwarp(); // and every lane's
+      // Every load of this warp has landed: the gradient kernel's CTAs may
+      // start and fetch their features now. Let in at the start, their loads
+      // slowed this kernel's by 1 µs (bench/NOTES.md, v8).
+      if (c + team >= chunks) allow_dependents_to_start();
+      const scalar_t* slot = slot_of(c);
 #pragma unroll
-    for (int u = 0; u < kChunk / 4 / V; ++u) {
-      const int k = quarter * (kChunk / 4) + u * V;
-      Packed<acc_t, V> a[4];
-      Packed<acc_t, V> b[8];
+      for (int u = 0; u < kChunk / 4 / V; ++u) {
+        const int k = quarter * (kChunk / 4) + u * V;
+        Packed<acc_t, V> a[4];
+        Packed<acc_t, V> b[8];
 #pragma unroll
-      for (int x = 0; x < 4; ++x) a[x] = load_as<acc_t, V>(slot + (g + 4 * x) * kPitch + k);
+        for (int x = 0; x < 4; ++x) a[x] = load_as<acc_t, V>(slot + (g + 4 * x) * kPitch + k);
 #pragma unroll
-      for (int y = 0; y < 8; ++y) b[y] = load_as<acc_t, V>(slot + columns_offset + (h + 2 * y) * kPitch + k);
+        for (int y = 0; y < 8; ++y) b[y] = load_as<acc_t, V>(slot + columns_offset + (h + 2 * y) * kPitch + k);
 #pragma unroll
-      for (int x = 0; x < 4; ++x) {
+        for (int x = 0; x < 4; ++x) {
 #pragma unroll
-        for (int y = 0; y < 8; ++y) {
+          for (int y = 0; y < 8; ++y) {
+            if (kDiagonalPair && x >= 2 && y < 4) continue; // rows g + 4x ≥ 8, columns h + 2y < 8
 #pragma unroll
-          for (int v = 0; v < V; ++v) dot[x][y] += a[x].v[v] * b[y].v[v];
+            for (int v = 0; v < V; ++v) dot[x][y] += a[x].v[v] * b[y].v[v];
+          }
         }
       }
+      __syncwarp(); // every lane is done with the slot
+      if (c + ring_size * team < chunks) stage_chunk(c + ring_size * team);
+      commit_copies();
     }
-    __syncwarp(); // every lane is done with the slot
-    if (c + ring_size * team < chunks) stage_chunk(c + ring_size * team);
-    commit_copies();
+  };
+  if (unit.diagonal_pair) {
+    accumulate(std::true_type{});
+  } else {
+    accumulate(std::false_type{});
   }
   // The quarters' sums, added across lanes l, l^8, l^16, l^24: each step keeps
   // half of what a lane holds and adds its partner's other half, so the lane
@@ -348,6 +359,10 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
       quarter_sums[x][y] = kept + __shfl_xor_sync(0xffffffffu, given, 8);
     }
   }
+  // On the diagonal the lanes of the upper-right quarter write the lower-left
+  // one too, which the others did not compute.
+  const bool computed = !(unit.diagonal_pair && upper_rows && !upper_columns);
+  const bool mirrored = unit.diagonal_pair && !upper_rows && upper_columns;
   __syncthreads(); // every warp is done with its chunks: the space holds the sums now
   acc_t* warp_dots = reinterpret_cast<acc_t*>(shared_bytes); // [warp][row][column]
 #pragma unroll
@@ -356,7 +371,8 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
     for (int y = 0; y < 4; ++y) {
       const int row = g + 4 * (2 * upper_rows + x);
       const int column = h + 2 * (4 * upper_columns + y);
-      warp_dots[(warp * kTile + row) * kTile + column] = quarter_sums[x][y];
+      if (computed) warp_dots[(warp * kTile + row) * kTile + column] = quarter_sums[x][y];
+      if (mirrored) warp_dots[(warp * kTile + column) * kTile + row] = quarter_sums[x][y];
     }
   }
   __syncthreads();
@@ -399,41 +415,63 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
 }
 
 // What turns a CTA's terms exp(z − m)·c of one set into gradient weights,
-// 2σ(Z)·exp(m − LSE), folded from the partials by one warp in acc_t. The loss
-// itself is folded in float64 (fold_partials, finish_loss) by a CTA of its
-// own. Every gradient CTA waits for this fold: in float32, and without the
-// loss's softplus, its chain of exps and logs is about 2 µs shorter at
-// B = 256 (bench/NOTES.md, v7).
+// 2σ(Z)·exp(m − LSE) = exp(m − M)·2σ(Z)/S, M the set's largest z and S its
+// Σ exp(z − M), folded from the partials by one warp in acc_t. The loss itself
+// is folded in float64 (fold_partials, finish_loss) by a CTA of its own. Every
+// gradient CTA waits for this fold, so it is kept short: float32, no softplus,
+// one log, and each lane's partials read together, with no branch between
+// them (fold_partials<32> took 1.5 µs here at B = 256: bench/NOTES.md, v8).
 template <typename acc_t>
 struct WeightScales {
   acc_t max[2]; // [positive, negative]: the set's largest z
-  acc_t log_sum[2]; // log Σ exp(z − max)
-  acc_t grad_scale; // 2σ(Z)
+  acc_t scale[2]; // 2σ(Z) / Σ exp(z − max)
 
   // The factor of a CTA's terms of one set, m its largest z of that set. A
   // set the CTA does not hold (m = −inf) gets 0, which also keeps the zeros
   // staged for rows and partners outside the batch zeros.
   __device__ __forceinline__ acc_t factor(int set, acc_t cta_max) const {
-    return cta_max == -std::numeric_limits<acc_t>::infinity()
-        ? acc_t(0)
-        : grad_scale * exp((cta_max - max[set]) - log_sum[set]);
+    return cta_max == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : exp(cta_max - max[set]) * scale[set];
   }
 };
 
 template <typename acc_t>
-__device__ __forceinline__ WeightScales<acc_t> fold_weight_scales(const acc_t* partials, int units) {
-  LseState<acc_t> positive;
-  LseState<acc_t> negative;
-  fold_partials<32>(partials, units, static_cast<acc_t*>(nullptr), positive, negative);
+__device__ __forceinline__ WeightScales<acc_t> fold_weight_scales(
+    const acc_t* partials, // (units, 4)
+    int units,
+    int lane) {
+  constexpr int kTogether = 4; // partials a lane reads at once
+  // Partial t, or an empty one past the last.
+  const auto partial = [&](int t, int set) {
+    return t < units ? LseState<acc_t>{partials[4 * t + 2 * set], partials[4 * t + 2 * set + 1]} : LseState<acc_t>{};
+  };
+  acc_t largest[2] = {-std::numeric_limits<acc_t>::infinity(), -std::numeric_limits<acc_t>::infinity()};
+  for (int first = lane; first < units; first += 32 * kTogether) {
+#pragma unroll
+    for (int k = 0; k < kTogether; ++k) {
+#pragma unroll
+      for (int set = 0; set < 2; ++set) largest[set] = nan_max(largest[set], partial(first + 32 * k, set).max);
+    }
+  }
+  block_reduce<32>(largest, [](acc_t a, acc_t b) { return nan_max(a, b); }, static_cast<acc_t*>(nullptr));
+  acc_t total[2] = {acc_t(0), acc_t(0)};
+  for (int first = lane; first < units; first += 32 * kTogether) {
+#pragma unroll
+    for (int k = 0; k < kTogether; ++k) {
+#pragma unroll
+      for (int set = 0; set < 2; ++set) total[set] += rescaled_sum(partial(first + 32 * k, set), largest[set]);
+    }
+  }
+  block_reduce<32>(total, [](acc_t a, acc_t b) { return a + b; }, static_cast<acc_t*>(nullptr));
+  // Z = M_P + M_N + log(S_P·S_N), the maxima summed in float64: they may be
+  // large and of opposite signs.
+  const double z = static_cast<double>(largest[0]) + largest[1] + log(total[0] * total[1]);
+  const acc_t grad_scale = acc_t(2) / (acc_t(1) + exp(-static_cast<acc_t>(z)));
   WeightScales<acc_t> out;
-  out.max[0] = positive.max;
-  out.max[1] = negative.max;
-  out.log_sum[0] = log(positive.sum);
-  out.log_sum[1] = log(negative.sum);
-  // Z = LSE_P + LSE_N, summed in float64: the maxima may be large and of
-  // opposite signs.
-  const double z = static_cast<double>(out.max[0]) + out.max[1] + out.log_sum[0] + out.log_sum[1];
-  out.grad_scale = acc_t(2) / (acc_t(1) + exp(-static_cast<acc_t>(z)));
+#pragma unroll
+  for (int set = 0; set < 2; ++set) {
+    out.max[set] = largest[set];
+    out.scale[set] = grad_scale / total[set];
+  }
   return out;
 }
 
@@ -514,31 +552,32 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
   };
 
   // The features do not depend on the similarity kernel: their copies start
-  // before it has finished. The first group holds both chunks' features.
+  // before it has finished, in the group the partials close.
   const int chunks = (batch + kSpan - 1) / kSpan;
 #pragma unroll
   for (int q = 0; q < kRing; ++q) {
     if (warp + q * kWarps < chunks) stage_features(warp + q * kWarps);
   }
   wait_for_prerequisites();
-  // The partials go to shared memory in the same group as the first terms:
-  // one trip to L2 for the fold and the factors.
+  // The partials go to shared memory in a group of their own (with the
+  // features), ahead of the terms: the fold starts as soon as they land.
   constexpr int kPartialVectors = 4 / kVec<acc_t>; // 16-byte vectors a partial
   for (int e = threadIdx.x; e < units * kPartialVectors; e += kThreads) {
     copy_16(staged_partials + e * kVec<acc_t>, partials + e * kVec<acc_t>, true);
   }
+  commit_copies();
 #pragma unroll
   for (int q = 0; q < kRing; ++q) {
     if (warp + q * kWarps < chunks) stage_terms(warp + q * kWarps);
     commit_copies();
   }
-  wait_copies<kRing - 1>();
+  wait_copies<kRing>();
   __syncthreads(); // every thread's copies of the partials have landed
 
   // Warp 0 folds the partials and finds the factors of the tiles of its row
   // block, one lane per column block.
   if (warp == 0) {
-    const WeightScales<acc_t> scales = fold_weight_scales(staged_partials, units);
+    const WeightScales<acc_t> scales = fold_weight_scales(staged_partials, units, lane);
     if (lane < edge) {
       const int unit = similarity_unit_of(min(row_block, lane), max(row_block, lane), edge);
       set_factor[0][lane] = scales.factor(0, staged_partials[4 * unit]);
