@@ -1,7 +1,8 @@
 // What the CUDA translation units of circle::loss share: the accumulation
 // types, the in-CTA LSE fold, the fixed-order fold of LSE partials into the
-// loss, and the inputs as the kernels read them. In an anonymous namespace, as
-// the kernels are: each translation unit gets the instantiations it uses.
+// loss, programmatic dependent launch, and the inputs as the kernels read
+// them. In an anonymous namespace, as the kernels are: each translation unit
+// gets the instantiations it uses.
 #pragma once
 
 #include "../circle_loss.h"
