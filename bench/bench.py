@@ -63,6 +63,22 @@ def forward_backward(fn):
     return step
 
 
+def forward_backward_graph(features, labels) -> torch.cuda.CUDAGraph:
+    """The op's forward+backward captured in a CUDA graph, after a few calls on
+    a side stream, as capture wants (features must require grad)."""
+    step = forward_backward(circle_op)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(features, labels)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(features, labels)
+    return graph
+
+
 def median_seconds(stmt_fn, min_run_time) -> float:
     # Timer runs single-threaded unless told otherwise.
     timer = benchmark.Timer(stmt="fn()", globals={"fn": stmt_fn}, num_threads=torch.get_num_threads())
@@ -180,17 +196,7 @@ def cuda_floors(args, dtype) -> list[dict]:
         torch.cuda.empty_cache()
     for batch in [b for b in args.sizes if b <= 4096]:
         f, labels = make_inputs(batch, args.dim, dtype, "cuda", args.classes)
-        f.requires_grad_()
-        step = forward_backward(circle_op)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step(f, labels)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step(f, labels)
+        graph = forward_backward_graph(f.requires_grad_(), labels)
         rows.append(dict(method="op (CUDA graph replay)", B=batch, D=args.dim, dtype=args.dtype,
                          mode="fwd+bwd", seconds=median_seconds(graph.replay, args.min_run_time)))
     for row in rows:

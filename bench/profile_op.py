@@ -14,7 +14,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench import make_inputs  # bench/bench.py, beside this script
+from bench import forward_backward_graph, make_inputs  # bench/bench.py, beside this script
 
 
 def main() -> None:
@@ -55,16 +55,7 @@ def main() -> None:
 def profile_graph_replays(args) -> None:
     for batch in args.sizes:
         features, labels = make_inputs(batch, args.dim, getattr(torch, args.dtype), "cuda", classes=100)
-        leaf = features.clone().requires_grad_()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                torch.autograd.grad(torch.ops.circle.loss(leaf, labels), leaf)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            torch.autograd.grad(torch.ops.circle.loss(leaf, labels), leaf)
+        graph = forward_backward_graph(features.clone().requires_grad_(), labels)
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
