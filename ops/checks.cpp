@@ -1,56 +1,134 @@
-// The input contract of circle::loss, checked in one place for every backend.
+// The input contracts of circle::loss and circle::anchor_loss, checked in one place for every backend.
 #include "circle_loss.h"
 
+#include <ATen/OpMathType.h>
 #include <c10/core/SymBool.h>
 
 namespace circle_loss {
 
-void check_inputs(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    double margin,
-    double gamma) {
+namespace {
+
+// One block of rows and their labels: `rows` names the row count in the
+// messages ("B" or "M").
+void check_rows(
+    const char* op,
+    const char* features_name,
+    const char* labels_name,
+    const char* rows,
+    const at::Tensor& features,
+    const at::Tensor& labels) {
+  TORCH_CHECK(
+      features.defined(), op, ": ", features_name, " must be a tensor of shape (", rows, ", D), got None");
+  TORCH_CHECK(labels.defined(), op, ": ", labels_name, " must be a tensor of shape (", rows, ",), got None");
   TORCH_CHECK(
       features.dim() == 2,
-      "circle::loss: features must be a 2-D tensor of shape (B, D), got ",
+      op, ": ", features_name, " must be a 2-D tensor of shape (", rows, ", D), got ",
       features.dim(),
       " dimension(s)");
   const auto dtype = features.scalar_type();
   TORCH_CHECK(
       dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
           dtype == at::kBFloat16,
-      "circle::loss: features must be float32, float64, float16 or bfloat16, got ",
+      op, ": ", features_name, " must be float32, float64, float16 or bfloat16, got ",
       dtype);
   TORCH_CHECK(
       labels.dim() == 1,
-      "circle::loss: labels must be a 1-D tensor of shape (B,), got ",
+      op, ": ", labels_name, " must be a 1-D tensor of shape (", rows, ",), got ",
       labels.dim(),
       " dimension(s)");
   TORCH_CHECK(
       at::isIntegralType(labels.scalar_type(), /*includeBool=*/false),
-      "circle::loss: labels must have an integer dtype, got ",
+      op, ": ", labels_name, " must have an integer dtype, got ",
       labels.scalar_type());
   TORCH_SYM_CHECK(
       labels.sym_size(0).sym_eq(features.sym_size(0)),
-      "circle::loss: labels must have one entry per row of features: features has ",
+      op, ": ", labels_name, " must have one entry per row of ", features_name, ": ", features_name, " has ",
       features.sym_size(0),
-      " rows but labels has ",
+      " rows but ", labels_name, " has ",
       labels.sym_size(0),
       " entries");
   TORCH_CHECK(
       labels.device() == features.device(),
-      "circle::loss: labels must be on the same device as features, got labels on ",
+      op, ": ", labels_name, " must be on the same device as ", features_name, ", got ", labels_name, " on ",
       labels.device(),
-      " and features on ",
+      " and ", features_name, " on ",
       features.device());
+}
+
+void check_margin_and_gamma(const char* op, double margin, double gamma) {
+  TORCH_CHECK(std::isfinite(margin), op, ": margin must be a finite float, got ", margin);
+  TORCH_CHECK(std::isfinite(gamma), op, ": gamma must be a finite float, got ", gamma);
+}
+
+} // namespace
+
+void check_inputs(
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    double margin,
+    double gamma) {
+  check_rows("circle::loss", "features", "labels", "B", features, labels);
+  check_margin_and_gamma("circle::loss", margin, gamma);
+}
+
+void check_anchor_inputs(
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const std::optional<at::Tensor>& ref_features, // (M, D)?
+    const std::optional<at::Tensor>& ref_labels, // (M,)?
+    double margin,
+    double gamma) {
+  constexpr const char* op = "circle::anchor_loss";
+  check_rows(op, "features", "labels", "B", features, labels);
+  const bool has_features = ref_features.has_value() && ref_features->defined();
+  const bool has_labels = ref_labels.has_value() && ref_labels->defined();
   TORCH_CHECK(
-      std::isfinite(margin),
-      "circle::loss: margin must be a finite float, got ",
-      margin);
+      has_features == has_labels,
+      op, ": ref_features and ref_labels must be given together, got ",
+      has_features ? "ref_features without ref_labels" : "ref_labels without ref_features");
+  if (has_features) {
+    check_rows(op, "ref_features", "ref_labels", "M", *ref_features, *ref_labels);
+    TORCH_SYM_CHECK(
+        ref_features->sym_size(1).sym_eq(features.sym_size(1)),
+        op, ": ref_features must have the width D of features, got ",
+        ref_features->sym_size(1),
+        " and ",
+        features.sym_size(1));
+    TORCH_CHECK(
+        ref_features->scalar_type() == features.scalar_type(),
+        op, ": ref_features must have the dtype of features, got ",
+        ref_features->scalar_type(),
+        " and ",
+        features.scalar_type());
+    TORCH_CHECK(
+        ref_features->device() == features.device(),
+        op, ": ref_features must be on the device of features, got ",
+        ref_features->device(),
+        " and ",
+        features.device());
+  }
+  check_margin_and_gamma(op, margin, gamma);
+}
+
+void check_anchor_backward_inputs(
+    const at::Tensor& grad_losses, // (B,)
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& row_lse) { // (B, 2)
+  constexpr const char* op = "circle::_anchor_loss_backward";
+  TORCH_CHECK(grad_losses.defined() && row_lse.defined(), op, ": grad_losses and row_lse must be tensors");
+  TORCH_SYM_CHECK(
+      grad_losses.dim() == 1 ? grad_losses.sym_size(0).sym_eq(features.sym_size(0)) : c10::SymBool(false),
+      op, ": grad_losses must have shape (B,) with B = ", features.sym_size(0), ", got ", grad_losses.sym_sizes());
+  TORCH_SYM_CHECK(
+      row_lse.dim() == 2 ? row_lse.sym_size(0).sym_eq(features.sym_size(0)).sym_and(row_lse.sym_size(1).sym_eq(2))
+                         : c10::SymBool(false),
+      op, ": row_lse must have shape (B, 2) with B = ", features.sym_size(0), ", got ", row_lse.sym_sizes());
   TORCH_CHECK(
-      std::isfinite(gamma),
-      "circle::loss: gamma must be a finite float, got ",
-      gamma);
+      row_lse.scalar_type() == at::toOpMathType(features.scalar_type()),
+      op, ": row_lse must be ", at::toOpMathType(features.scalar_type()), ", got ", row_lse.scalar_type());
+  TORCH_CHECK(
+      grad_losses.device() == features.device() && row_lse.device() == features.device(),
+      op, ": grad_losses and row_lse must be on the device of features");
 }
 
 void check_block_inputs(

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <cmath>
 #include <limits>
@@ -37,11 +38,39 @@ void check_block_inputs(
     double margin,
     double gamma);
 
+// The contract of circle::anchor_loss: features and labels as check_inputs
+// requires; ref_features and ref_labels both given or both absent, and then
+// as check_inputs requires, with features' width, dtype and device.
+//   features: (B, D), labels: (B,), ref_features: (M, D)?, ref_labels: (M,)?
+void check_anchor_inputs(
+    const at::Tensor& features,
+    const at::Tensor& labels,
+    const std::optional<at::Tensor>& ref_features,
+    const std::optional<at::Tensor>& ref_labels,
+    double margin,
+    double gamma);
+
+// row_lse: (B, 2) in features' accumulation dtype, as _anchor_loss_forward
+// returns it; grad_losses: (B,) on features' device.
+void check_anchor_backward_inputs(
+    const at::Tensor& grad_losses,
+    const at::Tensor& features,
+    const at::Tensor& row_lse);
+
 // partials: (n, 4) float64, as _lse_finish takes them.
 void check_partials(const at::Tensor& partials);
 
 // scalars: (4,) float64 from _lse_finish, on `device`.
 void check_scalars(const at::Tensor& scalars, const c10::Device& device);
+
+// Every CPU and CUDA kernel holds one of these while it runs. Autocast, when
+// the caller enabled it around the op, must not recast the kernels' internal
+// ATen calls (at::mm would return bfloat16 into a float32 pipeline): the op
+// computes in its own accumulation types whatever the autocast state, and
+// returns the features' dtype, as it does outside autocast.
+struct NoAutocast {
+  c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
+};
 
 // The logit of one ordered pair and its slope dz/ds with alpha detached
 // (SPEC.md "Definition" and "Gradient"). Written once, inlined into the CPU
@@ -62,6 +91,14 @@ struct PairLogit {
   }
 };
 
+// exp(from - to) for two maxima from <= to of one pair set: 1 when they are
+// equal, infinite ones included, so that an infinite logit gives an infinite
+// LSE (as torch.logsumexp does) rather than inf - inf = NaN.
+template <typename T>
+CIRCLE_LOSS_HOST_DEVICE inline T max_ratio(T from, T to) {
+  return from == to ? T(1) : exp(from - to);
+}
+
 // Log-sum-exp of one pair set kept as (max, sum of exp(z - max)): the form in
 // which partial results from threads, tiles, blocks or ranks combine. An empty
 // set is (-inf, 0). NaN propagates, as in PyTorch. add and merge are the CPU
@@ -78,7 +115,7 @@ struct LseState {
       sum = sum * exp(max - z) + weight;
       max = z;
     } else {
-      sum += weight * exp(z - max); // a NaN z lands here and poisons the sum
+      sum += weight * max_ratio(z, max); // a NaN z lands here and poisons the sum
     }
   }
 
@@ -96,7 +133,7 @@ struct LseState {
       sum = sum * exp(max - other_max) + other_sum;
       max = other_max;
     } else {
-      sum += other_sum * exp(other_max - max);
+      sum += other_sum * max_ratio(other_max, max);
     }
   }
 

@@ -25,9 +25,8 @@ steps=("$@")
 status=0
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-# The system compiler, whose libstdc++ is the one torch runs with (the H200
-# image's CXX, /opt/gcc, would link a static copy: see CMakeLists.txt).
-if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
+# Built exactly as the README's Install says, with whatever compiler the
+# environment gives: CMakeLists.txt makes any of them link the shared C++ runtime.
 rm -rf build  # a cached CMake tree would keep its old compiler choice
 if [ -n "${CIRCLE_LOSS_LIBRARY:-}" ]; then
   # A library built by an earlier run on this kind of machine: use the sources' package.

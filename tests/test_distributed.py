@@ -60,6 +60,7 @@ def check_against_reference(results, world, device):
             got = result[str(dtype)]
             assert torch.equal(got["loss"], results[0][str(dtype)]["loss"])  # every rank: the same bits
             assert torch.equal(got["no_grad_loss"], got["loss"])
+            assert torch.equal(got["autocast_loss"], got["loss"])  # autocast leaves the op's arithmetic alone
             assert got["grad"].shape == (sizes[r], 32)
             grads.append(got["grad"].to(device))
         loss = results[0][str(dtype)]["loss"].to(device)
@@ -76,6 +77,23 @@ def test_gloo_ranks_match_reference(world, tmp_path):
 def test_nccl_ranks_match_reference(tmp_path):
     results = run_ranks(2, tmp_path, extra=("--backend", "nccl", "--device", "cuda"))
     check_against_reference(results, 2, "cuda")
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
+def test_ranks_that_disagree_all_get_the_same_clear_error(tmp_path):
+    results = run_ranks(2, tmp_path, extra=("--refusals",))
+    expected = {
+        "dim": "D by rank: [8, 16]",
+        "dtype": "dtype by rank: ['torch.float32', 'torch.float64']",
+        "margin": "margin by rank: [0.25, 0.3]",
+        "gamma": "gamma by rank: [64.0, 32.0]",
+        "labels": "bad input on rank(s) [1]",
+        "double_backward": "does not support double backward",
+    }
+    for name, text in expected.items():
+        for rank, messages in enumerate(results):
+            wanted = "labels must have one entry per row" if (name, rank) == ("labels", 1) else text
+            assert wanted in messages[name], (name, rank, messages[name])
 
 
 def test_bad_input_is_refused_before_any_collective():

@@ -1,10 +1,14 @@
 """Bad input gets a clear error naming the argument, never a crash or a wrong answer."""
 
 import math
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
+import circle_loss
 from conftest import make_inputs
 
 
@@ -69,3 +73,42 @@ def test_double_backward_is_refused(device):
 def test_missing_arguments_are_named():
     with pytest.raises(RuntimeError, match="labels"):
         torch.ops.circle.loss(torch.randn(3, 2))
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_none_arguments_are_named(device, requires_grad):
+    features, labels = make_inputs(4, 3, 2, device)
+    features.requires_grad_(requires_grad)
+    with pytest.raises(RuntimeError, match="labels must be a tensor of shape"):
+        torch.ops.circle.loss(features, None)
+    with pytest.raises(RuntimeError, match="features must be a tensor of shape"):
+        torch.ops.circle.loss(None, labels)
+
+
+def test_errors_raised_inside_the_library_reach_python_in_a_fresh_process(device):
+    """A library with a private static C++ runtime dies by a signal on its
+    first error; this one must raise every error as a RuntimeError."""
+    code = f"""
+        import math, torch
+        torch.ops.load_library({circle_loss.library_path()!r})
+        d = {str(device)!r}
+        cases = [
+            (torch.randn(4, device=d), torch.zeros(4, dtype=torch.long, device=d), 0.25, 64.0),
+            (torch.randn(2, 4, 3, device=d), torch.zeros(2, dtype=torch.long, device=d), 0.25, 64.0),
+            (torch.randn(4, 3, device=d), torch.zeros(4, 1, dtype=torch.long, device=d), 0.25, 64.0),
+            (torch.randn(4, 3, device=d), torch.zeros(5, dtype=torch.long, device=d), 0.25, 64.0),
+            (torch.randn(4, 3, device=d), torch.zeros(4, dtype=torch.long, device=d), math.nan, 64.0),
+            (torch.randn(4, 3, device=d), torch.zeros(4, dtype=torch.long, device=d), 0.25, math.inf),
+        ]
+        for requires_grad in (False, True):
+            for features, labels, margin, gamma in cases:
+                features.requires_grad_(requires_grad)
+                try:
+                    torch.ops.circle.loss(features, labels, margin, gamma)
+                except RuntimeError as error:
+                    print("refused:", str(error).splitlines()[0])
+        """
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"
+    lines = result.stdout.splitlines()
+    assert len(lines) == 12 and all(line.startswith("refused: circle::loss: ") for line in lines), lines

@@ -15,6 +15,7 @@
 #include "../circle_loss.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -23,7 +24,6 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
-#include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -100,7 +100,9 @@ std::array<LseAccumulator, 2> tile_lse(
     T* __restrict__ zi = zs + i * n_cols;
     const int32_t yi = row_labels[i];
     for (int64_t j = 0; j < n_cols; ++j) {
-      zi[j] -= yi == col_labels[j] ? max_pos : max_neg;
+      // As max_ratio: a logit equal to its set's max gives exp(0), infinite ones too.
+      const T m = yi == col_labels[j] ? max_pos : max_neg;
+      zi[j] = zi[j] == m ? T(0) : zi[j] - m;
     }
   }
   z.exp_(); // ATen's vectorised exp, single-threaded inside a parallel region
@@ -274,7 +276,18 @@ at::Tensor block_gradient(
 // The dtype the kernel computes in: float32 for float16/bfloat16, as their
 // GEMMs would otherwise round S to 8 or 11 bits.
 at::ScalarType compute_dtype(const at::Tensor& features) {
-  return features.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return at::toOpMathType(features.scalar_type());
+}
+
+// The loss as a 0-dim tensor of the features' dtype, rounded through the
+// compute dtype as the CUDA kernels round it: a loss beyond the dtype's range
+// is inf, as IEEE conversion gives.
+at::Tensor loss_tensor(double loss, const at::Tensor& features) {
+  at::Tensor out = at::empty({}, features.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "circle_loss_tensor", [&] {
+    *out.data_ptr<scalar_t>() = static_cast<scalar_t>(static_cast<at::opmath_type<scalar_t>>(loss));
+  });
+  return out;
 }
 
 // Labels as dense int32 class ids, which compare in the same vector lanes as
@@ -303,6 +316,7 @@ at::Tensor loss_cpu(
     double margin,
     double gamma) {
   check_inputs(features, labels, margin, gamma);
+  const NoAutocast no_autocast;
   const at::Tensor f = features.to(compute_dtype(features)).contiguous();
   const at::Tensor ids = class_ids({labels})[0];
   double loss = 0.0;
@@ -311,7 +325,7 @@ at::Tensor loss_cpu(
     const auto lse = lse_over_tiles<scalar_t>(f, y, f, y, pair_logit<scalar_t>(margin, gamma), true);
     loss = finish_loss(lse[0].lse(), lse[1].lse()).loss;
   });
-  return at::scalar_tensor(loss, features.options());
+  return loss_tensor(loss, features);
 }
 
 std::tuple<at::Tensor, at::Tensor> loss_with_grad_cpu(
@@ -320,6 +334,7 @@ std::tuple<at::Tensor, at::Tensor> loss_with_grad_cpu(
     double margin,
     double gamma) {
   check_inputs(features, labels, margin, gamma);
+  const NoAutocast no_autocast;
   const at::Tensor f = features.to(compute_dtype(features)).contiguous();
   const at::Tensor ids = class_ids({labels})[0];
   double loss = 0.0;
@@ -332,7 +347,7 @@ std::tuple<at::Tensor, at::Tensor> loss_with_grad_cpu(
     loss = scalars.loss;
     grad = symmetric_gradient<scalar_t>(f, y, logit, scalars);
   });
-  return {at::scalar_tensor(loss, features.options()), grad.to(features.scalar_type())};
+  return {loss_tensor(loss, features), grad.to(features.scalar_type())};
 }
 
 at::Tensor lse_partials_cpu(
@@ -343,6 +358,7 @@ at::Tensor lse_partials_cpu(
     double margin,
     double gamma) {
   check_block_inputs(rows, row_labels, cols, col_labels, margin, gamma);
+  const NoAutocast no_autocast;
   const at::Tensor r = rows.to(compute_dtype(rows)).contiguous();
   const at::Tensor c = cols.to(compute_dtype(cols)).contiguous();
   const auto ids = class_ids({row_labels, col_labels});
@@ -382,6 +398,7 @@ at::Tensor block_grad_cpu(
     double margin,
     double gamma) {
   check_block_inputs(rows, row_labels, cols, col_labels, margin, gamma);
+  const NoAutocast no_autocast;
   check_scalars(scalars, rows.device());
   const at::Tensor r = rows.to(compute_dtype(rows)).contiguous();
   const at::Tensor c = cols.to(compute_dtype(cols)).contiguous();

@@ -176,13 +176,6 @@ __global__ void __launch_bounds__(kThreads) strip_lse_kernel(
   }
 }
 
-// exp(from - to) for two stabilisers of one pair set, from <= to: 1 when they
-// are equal, which includes both being -inf (no pair of the set seen yet).
-template <typename T>
-__device__ __forceinline__ T stabiliser_ratio(T from, T to) {
-  return from == to ? T(1) : exp(from - to);
-}
-
 // Gradient weights for every entry of the strip (SPEC.md, "Gradient"):
 //   negative_max null: W = 2σ(Z)·exp(z - LSE of its set)·dz/ds, the factor 2
 //                      of dloss/dF = 2 G F included;
@@ -318,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, 2) positive_band_kernel(
   // Every (row, feature) of grad stays with one thread throughout.
   for (int r = 0; r < rows; ++r) {
     const int64_t i = row_of[r];
-    const acc_t factor = scale * stabiliser_ratio(negative_max[i / strip_height], lse_negative);
+    const acc_t factor = scale * max_ratio(negative_max[i / strip_height], lse_negative);
     for (int64_t d = threadIdx.x; d < dim; d += kThreads) grad[i * dim + d] *= factor;
   }
   if (scale == acc_t(0)) return; // Z = -inf: no negative pair, a zero gradient
@@ -625,6 +618,7 @@ at::Tensor loss_cuda(
     double margin,
     double gamma) {
   check_inputs(features, labels, margin, gamma);
+  const NoAutocast no_autocast;
   const c10::cuda::CUDAGuard guard(features.device());
   const Block block = prepare(features, labels);
   if (fits_small_batch(block.size(), block.dim())) {
@@ -644,6 +638,7 @@ std::tuple<at::Tensor, at::Tensor> loss_with_grad_cuda(
     double margin,
     double gamma) {
   check_inputs(features, labels, margin, gamma);
+  const NoAutocast no_autocast;
   const c10::cuda::CUDAGuard guard(features.device());
   const Block block = prepare(features, labels);
   if (fits_small_batch(block.size(), block.dim())) {
@@ -676,6 +671,7 @@ at::Tensor lse_partials_cuda(
     double margin,
     double gamma) {
   check_block_inputs(rows, row_labels, cols, col_labels, margin, gamma);
+  const NoAutocast no_autocast;
   const c10::cuda::CUDAGuard guard(rows.device());
   at::Tensor folded = at::empty({4}, rows.options().dtype(at::kDouble));
   const Block row_block = prepare(rows, row_labels);
@@ -709,6 +705,7 @@ at::Tensor block_grad_cuda(
     double margin,
     double gamma) {
   check_block_inputs(rows, row_labels, cols, col_labels, margin, gamma);
+  const NoAutocast no_autocast;
   check_scalars(scalars, rows.device());
   const c10::cuda::CUDAGuard guard(rows.device());
   const Block row_block = prepare(rows, row_labels);

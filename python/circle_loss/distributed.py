@@ -62,14 +62,75 @@ def _ring_blocks(features, labels, sizes, group):
             current = incoming
 
 
-def _loss_and_grad(features, labels, margin, gamma, group, need_grad):
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _check_local(features, labels, margin, gamma):
+    """The op's own checks, at no cost on meta tensors; labels on another
+    device keep that device, so the device check fires too."""
+    for name, value in (("features", features), ("labels", labels)):
+        if not isinstance(value, torch.Tensor):
+            raise RuntimeError(f"circle_loss.distributed.loss: {name} must be a tensor, got {type(value).__name__}")
+    same_device = labels.device == features.device
+    torch.ops.circle.loss(features.to("meta"), labels.to("meta") if same_device else labels, margin, gamma)
+
+
+def _agreed_sizes(features, labels, margin, gamma, group):
+    """Every rank's row count, once all ranks are known to have valid input
+    and to agree on D, dtype, margin and gamma. One all_gather carries all of
+    it, so every rank raises the same error, or none does, before any ring
+    traffic: a rank that raised alone would leave the others waiting."""
+    problem = None
+    try:
+        _check_local(features, labels, margin, gamma)
+    except RuntimeError as error:
+        problem = error
     world = dist.get_world_size(group)
-    labels = labels.to(torch.int64).contiguous()
-    features = features.contiguous()
-    local = torch.tensor([features.shape[0]], device=features.device)
+    rank = dist.get_rank(group)
+    on_cuda = "nccl" in str(dist.get_backend(group))
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    valid = problem is None
+    local = torch.tensor(
+        [
+            float(valid),
+            float(features.shape[0]) if valid else -1.0,
+            float(features.shape[1]) if valid else -1.0,
+            float(_DTYPES.index(features.dtype)) if valid else -1.0,
+            float(margin) if valid else 0.0,
+            float(gamma) if valid else 0.0,
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local, group=group)
-    sizes = [int(s) for s in gathered]  # the one host synchronisation: shapes
+    rows = torch.stack(gathered).cpu().tolist()  # the one host synchronisation: shapes
+    bad = [r for r, row in enumerate(rows) if row[0] != 1.0]
+    if bad:
+        if problem is not None:
+            raise RuntimeError(f"circle_loss.distributed.loss: rank {rank}: {problem}") from problem
+        raise RuntimeError(f"circle_loss.distributed.loss: bad input on rank(s) {bad}; see their errors")
+    agreed = {
+        "D": [int(row[2]) for row in rows],
+        "dtype": [str(_DTYPES[int(row[3])]) for row in rows],
+        "margin": [row[4] for row in rows],
+        "gamma": [row[5] for row in rows],
+    }
+    differing = {name: values for name, values in agreed.items() if len(set(values)) > 1}
+    if differing:
+        details = "; ".join(f"{name} by rank: {values}" for name, values in differing.items())
+        raise RuntimeError(
+            "circle_loss.distributed.loss: every rank must pass features of the same width D and "
+            f"dtype, and the same margin and gamma, got {details}"
+        )
+    return [int(row[1]) for row in rows]
+
+
+def _loss_and_grad(features, labels, margin, gamma, group, need_grad):
+    sizes = _agreed_sizes(features, labels, margin, gamma, group)
+    world = len(sizes)
+    labels = labels.to(torch.int64).contiguous()
+    features = features.contiguous()
 
     partials = torch.stack([
         torch.ops.circle._lse_partials(features, labels, cols, col_labels, margin, gamma)
@@ -97,6 +158,14 @@ class _DistributedCircleLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():
+            # The saved gradient carries no graph: a second derivative through
+            # it would be silently zero, as circle::loss refuses too.
+            raise RuntimeError(
+                "circle_loss.distributed.loss does not support double backward: its gradient is "
+                "computed in the forward pass and is not differentiable again. Call backward or "
+                "torch.autograd.grad without create_graph=True."
+            )
         (grad,) = ctx.saved_tensors
         return grad * grad_loss, None, None, None, None
 
@@ -120,12 +189,8 @@ def loss(
         The global loss, a 0-dim tensor identical on every rank; backward gives
         this rank's rows their gradient of it. Every rank of the group must call.
     """
-    # Reject bad input before any collective (a rank raising later would leave
-    # the others waiting): the op's Meta kernel checks at no cost, with the op's
-    # own messages; labels on another device keep that device, so the device
-    # check fires too.
-    same_device = labels.device == features.device
-    torch.ops.circle.loss(features.to("meta"), labels.to("meta") if same_device else labels, margin, gamma)
+    if not (dist.is_available() and dist.is_initialized()):
+        _check_local(features, labels, margin, gamma)  # no group: the op's own error, at once
     return _DistributedCircleLoss.apply(features, labels, float(margin), float(gamma), group)
 
 

@@ -1,0 +1,83 @@
+"""circle::loss in PyTorch's other modes: autocast, forward-mode AD, and
+values at the edge of the float range. Each gives the right answer or a
+clear error, never a crash or a silent zero."""
+
+import pytest
+import torch
+from torch.autograd import forward_ad as fwAD
+
+import circle_loss
+from conftest import make_inputs
+from reference import TOLERANCE, circle_loss_reference, reference_loss_and_grad, relative_error
+
+AUTOCAST_DTYPES = [torch.bfloat16, torch.float16]
+FEATURE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("autocast_dtype", AUTOCAST_DTYPES)
+@pytest.mark.parametrize("dtype", FEATURE_DTYPES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_autocast_gives_the_loss_of_the_inputs_as_given(device, autocast_dtype, dtype, requires_grad):
+    # Batches on both sides of the CUDA small-batch limit.
+    for batch in (96, 600):
+        features, labels = make_inputs(batch, 32, 6, device, dtype)
+        x_plain = features.clone().requires_grad_(requires_grad)
+        x_cast = features.clone().requires_grad_(requires_grad)
+        plain = torch.ops.circle.loss(x_plain, labels, 0.25, 64.0)
+        with torch.autocast(device.type, dtype=autocast_dtype):
+            cast = torch.ops.circle.loss(x_cast, labels, 0.25, 64.0)
+        assert cast.dtype == dtype
+        assert torch.equal(cast, plain)
+        if requires_grad:
+            plain.backward()
+            cast.backward()
+            assert torch.equal(x_cast.grad, x_plain.grad)
+
+
+def test_autocast_inside_a_mixed_precision_step(device):
+    # The usual pattern: the encoder runs in low precision, the loss takes its output.
+    torch.manual_seed(0)
+    encoder = torch.nn.Linear(16, 8).to(device)
+    x, labels = torch.randn(64, 16, device=device), torch.randint(0, 4, (64,), device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        embeddings = torch.nn.functional.normalize(encoder(x), dim=1)
+        loss = circle_loss.circle_loss(embeddings, labels, gamma=32.0)
+    loss.backward()
+    expected = circle_loss_reference(embeddings.detach(), labels, 0.25, 32.0)
+    assert relative_error(loss, expected) <= TOLERANCE[embeddings.dtype][0]
+    assert torch.isfinite(encoder.weight.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_forward_mode_ad_gives_the_directional_derivative(device, dtype):
+    features, labels = make_inputs(120, 16, 5, device, dtype)
+    tangent = torch.randn_like(features)
+    _, ref_grad = reference_loss_and_grad(features, labels, 0.25, 64.0)
+    expected = (ref_grad * tangent.double().cpu()).sum()
+    tol = 10 * TOLERANCE[dtype][1]
+    op = lambda f: torch.ops.circle.loss(f, labels, 0.25, 64.0)  # noqa: E731
+
+    _, jvp = torch.func.jvp(op, (features,), (tangent,))
+    assert relative_error(jvp, expected) <= tol
+    jacobian = torch.func.jacfwd(op)(features)
+    assert relative_error(jacobian, ref_grad) <= tol
+    with fwAD.dual_level():
+        loss = op(fwAD.make_dual(features, tangent))
+        assert relative_error(fwAD.unpack_dual(loss).tangent, expected) <= tol
+        # Forward and reverse mode together: the tangent, and a backward that still works.
+        x = features.clone().requires_grad_()
+        loss = op(fwAD.make_dual(x, tangent))
+        assert relative_error(fwAD.unpack_dual(loss).tangent, expected) <= tol
+        loss.backward()
+    assert relative_error(x.grad, ref_grad) <= TOLERANCE[dtype][1] * 4
+
+
+def test_overflowing_logits_give_inf_as_the_reference_does(device):
+    features, labels = make_inputs(50, 8, 3, device)
+    for gamma in (8e37, 1e38, 1e30):
+        loss = torch.ops.circle.loss(features, labels, 0.25, gamma)
+        expected = circle_loss_reference(features, labels, 0.25, gamma).to(torch.float32)
+        if torch.isinf(expected):
+            assert torch.isinf(loss) and loss > 0, (gamma, loss)
+        else:
+            assert relative_error(loss, expected) <= 1e-4, (gamma, loss, expected)
