@@ -108,6 +108,95 @@ at::Tensor loss_autograd(
   return loss;
 }
 
+std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_below_autograd(
+    const at::Tensor& features,
+    const at::Tensor& labels,
+    const std::optional<at::Tensor>& ref_features,
+    const std::optional<at::Tensor>& ref_labels,
+    double margin,
+    double gamma) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("circle::_anchor_loss_forward", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                           const std::optional<at::Tensor>&, double, double)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(features, labels, ref_features, ref_labels, margin, gamma);
+}
+
+// circle::anchor_loss: the forward keeps each row's two LSEs, (B, 2), and the
+// backward forms the tiles of S again with the incoming gradient, which
+// weights each row's pairs (it cannot be folded in ahead of time, as the
+// global op's scalar can).
+class AnchorLossFunction : public torch::autograd::Function<AnchorLossFunction> {
+ public:
+  static constexpr bool is_traceable = true;
+
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& features, // (B, D)
+      const at::Tensor& labels, // (B,)
+      const std::optional<at::Tensor>& ref_features, // (M, D)?
+      const std::optional<at::Tensor>& ref_labels, // (M,)?
+      double margin,
+      double gamma) {
+    auto [losses, row_lse] = anchor_loss_forward_below_autograd(features, labels, ref_features, ref_labels, margin, gamma);
+    const bool has_ref = ref_features.has_value() && ref_features->defined();
+    ctx->save_for_backward(
+        {features, labels, has_ref ? *ref_features : at::Tensor(), has_ref ? *ref_labels : at::Tensor(), row_lse});
+    ctx->saved_data["margin"] = margin;
+    ctx->saved_data["gamma"] = gamma;
+    ctx->saved_data["has_ref"] = has_ref;
+    return losses;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    TORCH_CHECK(
+        !at::GradMode::is_enabled(),
+        "circle::anchor_loss does not support double backward: its backward is a kernel of its own, "
+        "not differentiable again. Call backward or torch.autograd.grad without create_graph=True.");
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("circle::_anchor_loss_backward", "")
+                         .typed<std::tuple<at::Tensor, at::Tensor>(
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                             const at::Tensor&, double, double)>();
+    const auto saved = ctx->get_saved_variables();
+    const bool has_ref = ctx->saved_data["has_ref"].toBool();
+    const std::optional<at::Tensor> ref_features = has_ref ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
+    const std::optional<at::Tensor> ref_labels = has_ref ? std::optional<at::Tensor>(saved[3]) : std::nullopt;
+    auto [grad_features, grad_ref] = op.call(
+        grad_outputs[0], saved[0], saved[1], ref_features, ref_labels, saved[4],
+        ctx->saved_data["margin"].toDouble(), ctx->saved_data["gamma"].toDouble());
+    return {grad_features, at::Tensor(), has_ref ? grad_ref : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor anchor_loss_autograd(
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const std::optional<at::Tensor>& ref_features, // (M, D)?
+    const std::optional<at::Tensor>& ref_labels, // (M,)?
+    double margin,
+    double gamma) {
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma);
+  const bool has_ref = ref_features.has_value() && ref_features->defined();
+  TORCH_CHECK(
+      !features._fw_grad(/*level=*/0).defined() && !(has_ref && ref_features->_fw_grad(/*level=*/0).defined()),
+      "circle::anchor_loss does not support forward-mode AD (torch.func.jvp, jacfwd, dual tensors): "
+      "use reverse mode (backward, torch.autograd.grad, torch.func.grad or jacrev)");
+  if (at::GradMode::is_enabled() && (features.requires_grad() || (has_ref && ref_features->requires_grad()))) {
+    return AnchorLossFunction::apply(features, labels, ref_features, ref_labels, margin, gamma);
+  }
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("circle::anchor_loss", "")
+                       .typed<at::Tensor(
+                           const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                           const std::optional<at::Tensor>&, double, double)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(features, labels, ref_features, ref_labels, margin, gamma);
+}
+
 at::Tensor loss_backward(
     const at::Tensor& grad_loss, // ()
     const at::Tensor& grad_features) { // (B, D)
@@ -118,6 +207,7 @@ at::Tensor loss_backward(
 
 TORCH_LIBRARY_IMPL(circle, Autograd, m) {
   m.impl("loss", &loss_autograd);
+  m.impl("anchor_loss", &anchor_loss_autograd);
 }
 
 // Plain ATen arithmetic: one kernel serves every backend, Meta included; CUDA

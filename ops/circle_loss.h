@@ -91,6 +91,12 @@ struct PairLogit {
   }
 };
 
+// Largest of a and b; NaN if either is.
+template <typename T>
+CIRCLE_LOSS_HOST_DEVICE inline T nan_max(T a, T b) {
+  return a > b || a != a ? a : b;
+}
+
 // exp(from - to) for two maxima from <= to of one pair set: 1 when they are
 // equal, infinite ones included, so that an infinite logit gives an infinite
 // LSE (as torch.logsumexp does) rather than inf - inf = NaN.
@@ -170,6 +176,21 @@ CIRCLE_LOSS_HOST_DEVICE inline LossScalars finish_loss(double lse_positive, doub
   out.loss = z > 0 ? z + log1p(exp(-z)) : log1p(exp(z));
   out.grad_scale = 2.0 / (1.0 + exp(-z));
   return out;
+}
+
+// L_i of one anchor of circle::anchor_loss: 0 where either of its pair sets
+// is empty (LSE -inf), else softplus(LSE_P(i) + LSE_N(i)).
+CIRCLE_LOSS_HOST_DEVICE inline double anchor_row_loss(double lse_positive, double lse_negative) {
+  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+  return lse_positive == kNegInf || lse_negative == kNegInf ? 0.0 : finish_loss(lse_positive, lse_negative).loss;
+}
+
+// dL_i/dZ_i = sigmoid(Z_i) of one anchor, 0 where L_i is identically 0.
+template <typename T>
+CIRCLE_LOSS_HOST_DEVICE inline T anchor_row_grad_scale(T lse_positive, T lse_negative) {
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  return lse_positive == kNegInf || lse_negative == kNegInf ? T(0)
+                                                            : T(1) / (T(1) + exp(-(lse_positive + lse_negative)));
 }
 
 } // namespace circle_loss

@@ -3,6 +3,7 @@
 // Python-side registration.
 #include "circle_loss.h"
 
+#include <ATen/OpMathType.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -57,9 +58,54 @@ at::Tensor block_grad_meta(
   return at::empty_symint(rows.sym_sizes(), rows.options().dtype(accumulate));
 }
 
+std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_meta(
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const std::optional<at::Tensor>& ref_features, // (M, D)?
+    const std::optional<at::Tensor>& ref_labels, // (M,)?
+    double margin,
+    double gamma) {
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma);
+  const c10::SymInt batch = features.sym_size(0);
+  return {
+      at::empty_symint({batch}, features.options()),
+      at::empty_symint({batch, 2}, features.options().dtype(at::toOpMathType(features.scalar_type())))};
+}
+
+at::Tensor anchor_loss_meta(
+    const at::Tensor& features,
+    const at::Tensor& labels,
+    const std::optional<at::Tensor>& ref_features,
+    const std::optional<at::Tensor>& ref_labels,
+    double margin,
+    double gamma) {
+  return std::get<0>(anchor_loss_forward_meta(features, labels, ref_features, ref_labels, margin, gamma));
+}
+
+std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_meta(
+    const at::Tensor& grad_losses, // (B,)
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const std::optional<at::Tensor>& ref_features, // (M, D)?
+    const std::optional<at::Tensor>& ref_labels, // (M,)?
+    const at::Tensor& row_lse, // (B, 2)
+    double margin,
+    double gamma) {
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma);
+  check_anchor_backward_inputs(grad_losses, features, row_lse);
+  const bool has_ref = ref_features.has_value() && ref_features->defined();
+  return {
+      at::empty_symint(features.sym_sizes(), features.options()),
+      has_ref ? at::empty_symint(ref_features->sym_sizes(), features.options())
+              : at::empty_symint({0, features.sym_size(1)}, features.options())};
+}
+
 } // namespace
 
 TORCH_LIBRARY_IMPL(circle, Meta, m) {
+  m.impl("anchor_loss", &anchor_loss_meta);
+  m.impl("_anchor_loss_forward", &anchor_loss_forward_meta);
+  m.impl("_anchor_loss_backward", &anchor_loss_backward_meta);
   m.impl("loss", &loss_meta);
   m.impl("_loss_with_grad", &loss_with_grad_meta);
   m.impl("_lse_partials", &lse_partials_meta);

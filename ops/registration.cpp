@@ -13,6 +13,23 @@ TORCH_LIBRARY(circle, m) {
   // The backward: grad_loss (0-dim) times the saved dloss/dfeatures (B, D).
   m.def("_loss_backward(Tensor grad_loss, Tensor grad_features) -> Tensor");
 
+  // The per-anchor form (pytorch-metric-learning's CircleLoss): one loss per
+  // row of features against ref_features (without them: against the other
+  // rows of features, the pair (i, i) left out), docs/math.md. Kernels: CPU,
+  // CUDA and Meta compute the losses alone; the Autograd kernel routes through
+  // _anchor_loss_forward and _anchor_loss_backward.
+  m.def(
+      "anchor_loss(Tensor features, Tensor labels, Tensor? ref_features=None, Tensor? ref_labels=None, float margin=0.4, float gamma=80.0) -> Tensor");
+  // -> (losses (B,), row_lse (B, 2)): each row's (LSE_P, LSE_N) in the
+  // accumulation dtype (float64 for float64 features, else float32), -inf
+  // for an empty set; all the backward needs besides the inputs.
+  m.def(
+      "_anchor_loss_forward(Tensor features, Tensor labels, Tensor? ref_features, Tensor? ref_labels, float margin, float gamma) -> (Tensor, Tensor)");
+  // -> (grad_features (B, D), grad_ref_features (M, D); (0, D) without a
+  // reference set), for the incoming gradient grad_losses (B,).
+  m.def(
+      "_anchor_loss_backward(Tensor grad_losses, Tensor features, Tensor labels, Tensor? ref_features, Tensor? ref_labels, Tensor row_lse, float margin, float gamma) -> (Tensor, Tensor)");
+
   // Pieces of the loss over the pairs of two row blocks, for computing it
   // sharded (circle_loss.distributed). Partials are float64 rows
   // (max_P, Σ exp(z - max_P), max_N, Σ exp(z - max_N)) that combine exactly.

@@ -1,5 +1,6 @@
-"""The float64 reference for circle::loss, written from SPEC.md in plain PyTorch,
-and the tolerances every comparison with it uses."""
+"""The float64 references for circle::loss and circle::anchor_loss, written
+from docs/math.md in plain PyTorch, and the tolerances every comparison with
+them uses."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def circle_loss_reference(
     gamma: float = 256.0,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """SPEC.md's unified Circle Loss over all ordered pairs, computed in `dtype`
+    """The unified Circle Loss over all ordered pairs (docs/math.md), computed in `dtype`
     (float64 unless measuring float32's own error), differentiable with the
     alphas detached. Materialises B×B: tests only."""
     f = features.to(dtype)
@@ -92,3 +93,48 @@ def assert_matches_reference(loss, grad, features, labels, margin=0.25, gamma=25
         assert torch.isfinite(grad).all(), "gradient has non-finite entries"
         err = relative_error(grad, ref_grad)
         assert err <= grad_tol, f"gradient relative error {err:.3g} > {grad_tol:.3g}"
+
+
+def anchor_loss_reference(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    ref_features: torch.Tensor | None = None,
+    ref_labels: torch.Tensor | None = None,
+    margin: float = 0.4,
+    gamma: float = 80.0,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """The per-anchor Circle Loss (docs/math.md), (B,) in `dtype`, the alphas
+    detached; without a reference set the pairs (i, i) are left out.
+    Materialises B×M: tests only."""
+    q = features.to(dtype)
+    r = q if ref_features is None else ref_features.to(dtype)
+    ref_labels = labels if ref_features is None else ref_labels
+    s = q @ r.T
+    same = labels[:, None] == ref_labels[None, :]
+    mine = torch.ones_like(same)
+    if ref_features is None:
+        mine = ~torch.eye(len(labels), dtype=torch.bool, device=same.device)
+    positive, negative = same & mine, ~same & mine
+    zp = -gamma * torch.clamp_min(1 + margin - s.detach(), 0) * (s - (1 - margin))
+    zn = gamma * torch.clamp_min(s.detach() + margin, 0) * (s - margin)
+    neg_inf = torch.tensor(-torch.inf, dtype=dtype, device=s.device)
+    lse_p = torch.logsumexp(torch.where(positive, zp, neg_inf), dim=1)
+    lse_n = torch.logsumexp(torch.where(negative, zn, neg_inf), dim=1)
+    rows = positive.any(1) & negative.any(1)
+    # Where a set is empty its LSE is -inf; the masked sum keeps inf - inf
+    # out of those rows' (zero) gradient.
+    z = torch.where(rows, lse_p + lse_n, torch.zeros_like(lse_p))
+    return torch.where(rows, F.softplus(z, threshold=40.0), torch.zeros_like(z))
+
+
+def anchor_reference_and_grads(features, labels, ref_features=None, ref_labels=None, margin=0.4, gamma=80.0,
+                               weights=None, dtype=torch.float64):
+    """The reference losses (B,) and the gradients of Σ_i weights_i · L_i with
+    respect to features and ref_features (None without a reference set)."""
+    q = features.detach().to(dtype).requires_grad_()
+    r = None if ref_features is None else ref_features.detach().to(dtype).requires_grad_()
+    losses = anchor_loss_reference(q, labels, r, ref_labels, margin, gamma, dtype)
+    w = torch.ones_like(losses) if weights is None else weights.to(dtype)
+    grads = torch.autograd.grad((losses * w).sum(), [q] if r is None else [q, r])
+    return losses.detach(), grads[0], (None if r is None else grads[1])

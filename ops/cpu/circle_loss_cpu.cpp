@@ -12,44 +12,22 @@
 // fixed by the shapes alone, each is computed by one thread with ATen's
 // single-threaded GEMM, and partial results combine in a fixed order, so the
 // result is bitwise the same for any thread count.
-#include "../circle_loss.h"
+#include "tiles.h"
 
 #include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros_like.h>
-#include <ATen/ops/_unique.h>
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <vector>
 
 namespace circle_loss {
 namespace {
 
-// Edge of a tile of S. Measured on a 2-core AMD EPYC at D = 512 (bench/NOTES.md):
-// 256 ran fwd+bwd at B = 2048 in 93 ms, 128 in 100 ms, 64 in 130 ms: larger
-// tiles keep ATen's GEMM nearer its peak.
-constexpr int64_t kTile = 256;
-
-// Runs task(t) for every t in [0, n) on the intra-op threads, each thread
-// taking the next task as it finishes one: a thread that the OS slows down
-// does not hold the others back. No result may depend on which thread ran a
-// task (each writes its own slot or its own block of rows).
-template <typename Task>
-void for_each_task(int64_t n, const Task& task) {
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t t = next++; t < n; t = next++) {
-      task(t);
-    }
-  });
-}
+using namespace cpu;
 
 // Log-sum-exp statistics (positive, negative) of one tile rows × colsᵀ.
 // Maxima and sums run per column, so that every inner loop is elementwise
@@ -273,41 +251,11 @@ at::Tensor block_gradient(
   return grad;
 }
 
-// The dtype the kernel computes in: float32 for float16/bfloat16, as their
-// GEMMs would otherwise round S to 8 or 11 bits.
-at::ScalarType compute_dtype(const at::Tensor& features) {
-  return at::toOpMathType(features.scalar_type());
-}
-
-// The loss as a 0-dim tensor of the features' dtype, rounded through the
-// compute dtype as the CUDA kernels round it: a loss beyond the dtype's range
-// is inf, as IEEE conversion gives.
+// The loss as a 0-dim tensor of the features' dtype.
 at::Tensor loss_tensor(double loss, const at::Tensor& features) {
   at::Tensor out = at::empty({}, features.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "circle_loss_tensor", [&] {
-    *out.data_ptr<scalar_t>() = static_cast<scalar_t>(static_cast<at::opmath_type<scalar_t>>(loss));
-  });
+  store_rounded(&loss, out);
   return out;
-}
-
-// Labels as dense int32 class ids, which compare in the same vector lanes as
-// float32; ids are shared by all the label tensors given, so equal labels in
-// two blocks get equal ids.
-std::vector<at::Tensor> class_ids(at::TensorList labels) {
-  const at::Tensor ids = std::get<1>(
-      at::_unique(at::cat(labels).to(at::kLong), /*sorted=*/true, /*return_inverse=*/true));
-  std::vector<at::Tensor> out;
-  int64_t offset = 0;
-  for (const auto& l : labels) {
-    out.push_back(ids.narrow(0, offset, l.size(0)).to(at::kInt).contiguous());
-    offset += l.size(0);
-  }
-  return out;
-}
-
-template <typename T>
-PairLogit<T> pair_logit(double margin, double gamma) {
-  return {static_cast<T>(margin), static_cast<T>(gamma)};
 }
 
 at::Tensor loss_cpu(

@@ -47,12 +47,6 @@ at::ScalarType dtype_of() {
   return c10::CppTypeToScalarType<T>::value;
 }
 
-// Largest of a and b; NaN if either is.
-template <typename T>
-__device__ __forceinline__ T nan_max(T a, T b) {
-  return a > b || a != a ? a : b;
-}
-
 // values[k] = op over the CTA's kBlock threads of their values[k], for both k,
 // in a fixed order: an xor-shuffle tree within each warp, then the warps in
 // index order. Every thread gets the result. scratch: 2 · kBlock / 32 values
@@ -217,15 +211,15 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, size_t shared_bytes,
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
-// One block of rows as the kernels read it.
-struct Block {
+// Rows of features and their labels as the kernels read them.
+struct KernelRows {
   at::Tensor features; // (N, D) contiguous, input dtype
   at::Tensor labels; // (N,) contiguous int64
   int64_t size() const { return features.size(0); }
   int64_t dim() const { return features.size(1); }
 };
 
-inline Block prepare(const at::Tensor& features, const at::Tensor& labels) {
+inline KernelRows kernel_rows(const at::Tensor& features, const at::Tensor& labels) {
   return {features.contiguous(), labels.to(at::kLong).contiguous()};
 }
 

@@ -1,7 +1,10 @@
 """Circle Loss (Sun et al., CVPR 2020) as a fused PyTorch custom operator.
 
-Importing this package registers ``torch.ops.circle.loss``; the functions and
-module here are typed conveniences around it. The op never forms the B×B
+Importing this package registers ``torch.ops.circle.loss`` (the global
+"unified" form) and ``torch.ops.circle.anchor_loss`` (the per-anchor form of
+pytorch-metric-learning's ``CircleLoss``); the functions and modules here are
+typed conveniences around them, and ``circle_loss.pml.CircleLoss`` is a drop-in
+for pytorch-metric-learning's class. The op never forms the B×B
 similarity matrix, never synchronises with the host, and works in eager mode,
 TorchScript, ``torch.compile`` and ``torch.export``.
 """
@@ -15,16 +18,19 @@ from ._library import library_path, load
 load()
 
 
-def _schema_default(name: str) -> float:
+def _schema_default(op, name: str) -> float:
     # The C++ schema is the single source of truth for the defaults.
-    for argument in torch.ops.circle.loss.default._schema.arguments:
+    for argument in op.default._schema.arguments:
         if argument.name == name:
             return float(argument.default_value)
     raise LookupError(name)
 
 
-DEFAULT_MARGIN: float = _schema_default("margin")
-DEFAULT_GAMMA: float = _schema_default("gamma")
+DEFAULT_MARGIN: float = _schema_default(torch.ops.circle.loss, "margin")
+DEFAULT_GAMMA: float = _schema_default(torch.ops.circle.loss, "gamma")
+# The per-anchor form's defaults are pytorch-metric-learning's (m = 0.4, gamma = 80).
+ANCHOR_DEFAULT_MARGIN: float = _schema_default(torch.ops.circle.anchor_loss, "margin")
+ANCHOR_DEFAULT_GAMMA: float = _schema_default(torch.ops.circle.anchor_loss, "gamma")
 
 
 def circle_loss(
@@ -33,7 +39,7 @@ def circle_loss(
     margin: float = DEFAULT_MARGIN,
     gamma: float = DEFAULT_GAMMA,
 ) -> torch.Tensor:
-    """Circle Loss of a batch, in the unified global form of SPEC.md.
+    """Circle Loss of a batch, in the unified global form (docs/math.md).
 
     Args:
         features: (B, D) float32, float64, float16 or bfloat16 embeddings, used
@@ -71,7 +77,68 @@ class CircleLoss(torch.nn.Module):
         return f"margin={self.margin}, gamma={self.gamma}"
 
 
+def anchor_loss(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    ref_features: torch.Tensor | None = None,
+    ref_labels: torch.Tensor | None = None,
+    margin: float = ANCHOR_DEFAULT_MARGIN,
+    gamma: float = ANCHOR_DEFAULT_GAMMA,
+) -> torch.Tensor:
+    """Per-anchor Circle Loss (pytorch-metric-learning's ``CircleLoss`` formula).
+
+    Args:
+        features: (B, D) float32, float64, float16 or bfloat16 anchors, used as
+            given (L2-normalise them first).
+        labels: (B,) integer labels on the same device.
+        ref_features: optional (M, D) reference rows of the same dtype and
+            device; without them each anchor meets the other rows of
+            ``features`` (the pair (i, i) left out).
+        ref_labels: (M,) integer labels, given exactly when ``ref_features`` is.
+        margin: the relaxation margin m.
+        gamma: the scale factor γ.
+
+    Returns:
+        (B,) losses of ``features.dtype``: L_i = softplus(LSE_P(i) + LSE_N(i)),
+        0 for a row with no positive or no negative pair. Differentiable (once)
+        with respect to ``features`` and ``ref_features``. Average the rows as
+        you like; pytorch-metric-learning averages those above zero.
+    """
+    return torch.ops.circle.anchor_loss(features, labels, ref_features, ref_labels, margin, gamma)
+
+
+class AnchorCircleLoss(torch.nn.Module):
+    """``nn.Module`` form of :func:`anchor_loss` that returns the mean of the
+    nonzero rows' losses (pytorch-metric-learning's default reduction), or 0
+    when every row's loss is 0. Scriptable with ``torch.jit.script``."""
+
+    def __init__(self, margin: float = ANCHOR_DEFAULT_MARGIN, gamma: float = ANCHOR_DEFAULT_GAMMA) -> None:
+        super().__init__()
+        self.margin = float(margin)
+        self.gamma = float(gamma)
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        labels: torch.Tensor,
+        ref_features: torch.Tensor | None = None,
+        ref_labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        losses = torch.ops.circle.anchor_loss(features, labels, ref_features, ref_labels, self.margin, self.gamma)
+        # Without a host synchronisation: the count is a tensor, clamped so
+        # that no nonzero row gives 0 / 0.
+        nonzero = (losses > 0).sum().clamp_min(1)
+        return losses.sum() / nonzero
+
+    def extra_repr(self) -> str:
+        return f"margin={self.margin}, gamma={self.gamma}"
+
+
 __all__ = [
+    "ANCHOR_DEFAULT_GAMMA",
+    "ANCHOR_DEFAULT_MARGIN",
+    "AnchorCircleLoss",
+    "anchor_loss",
     "CircleLoss",
     "DEFAULT_GAMMA",
     "DEFAULT_MARGIN",

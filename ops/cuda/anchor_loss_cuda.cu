@@ -1,0 +1,428 @@
+// CUDA kernels of circle::anchor_loss, the per-anchor form (docs/math.md).
+//
+// The same strips of S as the global op's large-batch path (strips.cuh):
+// cuBLAS forms each strip, our kernels reduce it, so memory stays O((B + M)·D)
+// beyond one strip. Each row keeps a running LSE state (max, Σ) of both pair
+// sets, (B, 4) in acc_t, and a strip merges into it:
+//   row_states_kernel     one CTA per strip row: the row's pairs in the strip.
+//   column_states_kernel  without a reference set, S is symmetric and so is
+//   + merge_columns_kernel  the logit, so strips cover only the columns from
+//                         their first row on (half of S), and the pairs right
+//                         of a strip's diagonal block are also reduced by
+//                         column, for the rows they belong to as (j, i).
+//   finish_rows_kernel    L_i and (LSE_P(i), LSE_N(i)) from the states.
+// The backward forms the strips again: weights_kernel writes
+//   W_ij = g_i·σ(Z_i)·exp(z_ij - LSE_set(i))·dz/ds   (+ the same for (j, i)
+// without a reference set, from the one entry s_ij), and cuBLAS multiplies:
+// dQ = W R and dR = Wᵀ Q (without a reference set both go to Q, as in the
+// global op's gradient pass).
+//
+// Every reduction runs in an order fixed by the shapes and the GPU, and
+// cuBLAS is reproducible on a given GPU, so results are bitwise the same from
+// run to run; nothing waits for the host, so the op can be graph-captured.
+#include "strips.cuh"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <type_traits>
+
+namespace circle_loss {
+namespace {
+
+// A row's running LSE states, as (max_P, Σ_P, max_N, Σ_N) in acc_t.
+template <typename T>
+struct RowStateRecord {
+  T* values;
+
+  __device__ __forceinline__ void merge(const LseState<T>& positive, const LseState<T>& negative) const {
+    LseState<T> p{values[0], values[1]};
+    LseState<T> n{values[2], values[3]};
+    p.merge(positive.max, positive.sum);
+    n.merge(negative.max, negative.sum);
+    values[0] = p.max;
+    values[1] = p.sum;
+    values[2] = n.max;
+    values[3] = n.sum;
+  }
+};
+
+// What the backward needs of a row: its two LSEs and g_i·σ(Z_i) (0 where
+// the row's loss is identically 0), as (LSE_P, LSE_N, factor) in acc_t.
+template <typename T>
+struct RowCoefficients {
+  T lse[2];
+  T factor;
+
+  __device__ __forceinline__ static RowCoefficients load(const T* values) { return {{values[0], values[1]}, values[2]}; }
+
+  // The weight of one pair of this row: factor·exp(z - LSE of its set)·slope.
+  __device__ __forceinline__ T weight(T z, bool positive, T slope) const {
+    return factor == T(0) ? T(0) : factor * exp(z - lse[positive ? 0 : 1]) * slope;
+  }
+};
+
+// Adds one pair's logit to the state of its set, unless it belongs to none.
+template <typename T>
+__device__ __forceinline__ void add_pair(
+    const PairLogit<T>& logit, T s, bool positive, bool in_no_set, LseState<T>& pos, LseState<T>& neg) {
+  if (in_no_set) return;
+  T slope;
+  const T z = logit(s, positive, &slope);
+  (positive ? pos : neg).add(z, T(1));
+}
+
+// Loads per thread in flight before any is used: enough to stream S.
+constexpr int kLoadsInFlight = 4;
+
+// Row r of the strip: merges its pairs' LSE states into states[r]. self: the
+// strip's columns start at its first row, so column r is the pair (i, i).
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads) row_states_kernel(
+    const acc_t* __restrict__ s, // (rows, cols)
+    int64_t cols,
+    const int64_t* __restrict__ row_labels, // (rows,)
+    const int64_t* __restrict__ col_labels, // (cols,)
+    bool self,
+    PairLogit<acc_t> logit,
+    acc_t* __restrict__ states) { // (rows, 4)
+  __shared__ acc_t scratch[2 * kWarps];
+  const int64_t r = blockIdx.x;
+  const acc_t* row = s + r * cols;
+  const int64_t label = row_labels[r];
+  LseState<acc_t> positive;
+  LseState<acc_t> negative;
+  for (int64_t c0 = threadIdx.x; c0 < cols; c0 += kLoadsInFlight * kThreads) {
+    acc_t value[kLoadsInFlight];
+    int64_t other[kLoadsInFlight];
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      const int64_t c = c0 + u * kThreads;
+      value[u] = c < cols ? row[c] : acc_t(0);
+      other[u] = c < cols ? col_labels[c] : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      const int64_t c = c0 + u * kThreads;
+      add_pair(logit, value[u], other[u] == label, c >= cols || (self && c == r), positive, negative);
+    }
+  }
+  block_fold<kThreads>(positive, negative, scratch);
+  if (threadIdx.x == 0) RowStateRecord<acc_t>{states + 4 * r}.merge(positive, negative);
+}
+
+// Columns [first_col, cols) of a symmetric strip, each reduced over the rows
+// g, g + groups, ... (g = blockIdx.y) into partials[g][c - first_col].
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads) column_states_kernel(
+    const acc_t* __restrict__ s, // (rows, cols)
+    int64_t rows,
+    int64_t cols,
+    int64_t first_col,
+    const int64_t* __restrict__ row_labels, // (rows,)
+    const int64_t* __restrict__ col_labels, // (cols,)
+    PairLogit<acc_t> logit,
+    acc_t* __restrict__ partials) { // (groups, cols - first_col, 4)
+  const int64_t c = first_col + blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  if (c >= cols) return;
+  const int64_t groups = gridDim.y;
+  const int64_t label = col_labels[c];
+  LseState<acc_t> positive;
+  LseState<acc_t> negative;
+  for (int64_t r0 = blockIdx.y; r0 < rows; r0 += kLoadsInFlight * groups) {
+    acc_t value[kLoadsInFlight];
+    int64_t other[kLoadsInFlight];
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      const int64_t r = r0 + u * groups;
+      value[u] = r < rows ? s[r * cols + c] : acc_t(0);
+      other[u] = r < rows ? row_labels[r] : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      add_pair(logit, value[u], other[u] == label, r0 + u * groups >= rows, positive, negative);
+    }
+  }
+  acc_t* out = partials + 4 * (blockIdx.y * (cols - first_col) + (c - first_col));
+  out[0] = positive.max;
+  out[1] = positive.sum;
+  out[2] = negative.max;
+  out[3] = negative.sum;
+}
+
+// states[c] merges partials[0..groups)[c], in group order.
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads) merge_columns_kernel(
+    const acc_t* __restrict__ partials, // (groups, n, 4)
+    int64_t groups,
+    int64_t n,
+    acc_t* __restrict__ states) { // (n, 4)
+  const int64_t c = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  if (c >= n) return;
+  LseState<acc_t> positive;
+  LseState<acc_t> negative;
+  for (int64_t g = 0; g < groups; ++g) {
+    const acc_t* p = partials + 4 * (g * n + c);
+    positive.merge(p[0], p[1]);
+    negative.merge(p[2], p[3]);
+  }
+  RowStateRecord<acc_t>{states + 4 * c}.merge(positive, negative);
+}
+
+// L_i and (LSE_P(i), LSE_N(i)) of every row, from its state.
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kThreads) finish_rows_kernel(
+    const acc_t* __restrict__ states, // (B, 4)
+    int64_t batch,
+    scalar_t* __restrict__ losses, // (B,)
+    acc_t* __restrict__ row_lse) { // (B, 2)
+  const int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  if (i >= batch) return;
+  const LseState<acc_t> positive{states[4 * i], states[4 * i + 1]};
+  const LseState<acc_t> negative{states[4 * i + 2], states[4 * i + 3]};
+  const acc_t lse_positive = positive.lse();
+  const acc_t lse_negative = negative.lse();
+  row_lse[2 * i] = lse_positive;
+  row_lse[2 * i + 1] = lse_negative;
+  losses[i] = static_cast<scalar_t>(static_cast<acc_t>(anchor_row_loss(lse_positive, lse_negative)));
+}
+
+// coefficients[i] = (LSE_P(i), LSE_N(i), g_i·σ(Z_i)).
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kThreads) coefficients_kernel(
+    const scalar_t* __restrict__ grad_losses, // (B,)
+    const acc_t* __restrict__ row_lse, // (B, 2)
+    int64_t batch,
+    acc_t* __restrict__ coefficients) { // (B, 3)
+  const int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  if (i >= batch) return;
+  const acc_t lse_positive = row_lse[2 * i];
+  const acc_t lse_negative = row_lse[2 * i + 1];
+  coefficients[3 * i] = lse_positive;
+  coefficients[3 * i + 1] = lse_negative;
+  coefficients[3 * i + 2] =
+      static_cast<acc_t>(grad_losses[i]) * anchor_row_grad_scale(lse_positive, lse_negative);
+}
+
+// The gradient weights of every entry of a strip (rows from row0, columns
+// from col0 of their sets). self: the pair (i, i) has none, and each entry
+// also carries the weight of its mirrored pair (j, i), whose logit is the same.
+template <typename acc_t, typename weight_t>
+__global__ void __launch_bounds__(kThreads) weights_kernel(
+    const acc_t* s, // (rows, cols)
+    int64_t rows,
+    int64_t cols,
+    const int64_t* __restrict__ row_labels, // (rows,)
+    const int64_t* __restrict__ col_labels, // (cols,)
+    int64_t row0,
+    int64_t col0,
+    bool self,
+    PairLogit<acc_t> logit,
+    const acc_t* __restrict__ row_coefficients, // (rows, 3)
+    const acc_t* __restrict__ col_coefficients, // (cols, 3): self only
+    weight_t* weights) { // (rows, cols), may be s
+  for_each_entry(s, rows, cols, row_labels, col_labels, [&](int64_t r, int64_t c, acc_t s_rc, bool positive) {
+    acc_t slope;
+    const acc_t z = logit(s_rc, positive, &slope);
+    acc_t w = RowCoefficients<acc_t>::load(row_coefficients + 3 * r).weight(z, positive, slope);
+    if (self) {
+      w += RowCoefficients<acc_t>::load(col_coefficients + 3 * c).weight(z, positive, slope);
+      if (row0 + r == col0 + c) w = acc_t(0);
+    }
+    weights[r * cols + c] = static_cast<weight_t>(w);
+  });
+}
+
+unsigned blocks_for(int64_t n) {
+  return static_cast<unsigned>(std::max<int64_t>((n + kThreads - 1) / kThreads, 1));
+}
+
+// The op's inputs as the kernels read them, and the strips of their pairs.
+template <typename scalar_t>
+class AnchorPasses {
+ public:
+  using acc_t = at::opmath_type<scalar_t>;
+
+  AnchorPasses(const KernelRows& q, const KernelRows& r, bool self, double margin, double gamma)
+      : q_(q),
+        r_(r),
+        self_(self),
+        logit_{static_cast<acc_t>(margin), static_cast<acc_t>(gamma)},
+        strips_(plan_strips(q.size(), r.size(), /*symmetric=*/self, sizeof(acc_t))),
+        sms_(multiprocessors()) {
+    const int64_t largest = strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols;
+    workspace_ = at::empty({largest}, q.features.options().dtype(dtype_of<acc_t>()));
+  }
+
+  // Writes losses (B,) and row_lse (B, 2).
+  void forward(at::Tensor& losses, at::Tensor& row_lse) {
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t batch = q_.size();
+    at::Tensor states = at::empty({batch, 2, 2}, workspace_.options());
+    states.select(2, 0).fill_(-std::numeric_limits<acc_t>::infinity());
+    states.select(2, 1).fill_(0);
+    acc_t* state = states.data_ptr<acc_t>();
+    for (const Strip& strip : strips_) {
+      const at::Tensor s = strip_similarities(q_, r_, strip, workspace_);
+      row_states_kernel<acc_t><<<static_cast<unsigned>(strip.rows), kThreads, 0, stream>>>(
+          s.data_ptr<acc_t>(), strip.cols, row_labels(strip), col_labels(strip), self_, logit_,
+          state + 4 * strip.row0);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const int64_t beyond = strip.cols - strip.rows; // columns right of the diagonal block
+      if (self_ && beyond > 0) {
+        // Enough threads to stream the strip, a fixed function of shapes and GPU.
+        const int64_t groups =
+            std::clamp<int64_t>((64 * 32 * sms_ + beyond - 1) / beyond, 1, std::min<int64_t>(strip.rows, 65535));
+        at::Tensor partials = at::empty({groups, beyond, 4}, workspace_.options());
+        column_states_kernel<acc_t><<<dim3(blocks_for(beyond), static_cast<unsigned>(groups)), kThreads, 0, stream>>>(
+            s.data_ptr<acc_t>(), strip.rows, strip.cols, strip.rows, row_labels(strip), col_labels(strip), logit_,
+            partials.data_ptr<acc_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        merge_columns_kernel<acc_t><<<blocks_for(beyond), kThreads, 0, stream>>>(
+            partials.data_ptr<acc_t>(), groups, beyond, state + 4 * (strip.row0 + strip.rows));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    }
+    finish_rows_kernel<scalar_t, acc_t><<<blocks_for(batch), kThreads, 0, stream>>>(
+        state, batch, losses.data_ptr<scalar_t>(), row_lse.data_ptr<acc_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+  // (dQ (B, D), dR (M, D); empty without a reference set), in acc_t.
+  std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_losses, const at::Tensor& row_lse) {
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t batch = q_.size();
+    const int64_t dim = q_.dim();
+    at::Tensor coefficients = at::empty({batch, 3}, workspace_.options());
+    coefficients_kernel<scalar_t, acc_t><<<blocks_for(batch), kThreads, 0, stream>>>(
+        grad_losses.data_ptr<scalar_t>(), row_lse.data_ptr<acc_t>(), batch, coefficients.data_ptr<acc_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    at::Tensor grad_q = at::empty({batch, dim}, workspace_.options());
+    at::Tensor grad_r = self_ ? at::empty({0, dim}, workspace_.options()) : at::empty({r_.size(), dim}, workspace_.options());
+    if (batch == 0 || r_.size() == 0) {
+      grad_q.zero_();
+      grad_r.zero_();
+      return {grad_q, grad_r};
+    }
+    // float16/bfloat16 weights feed the tensor cores; wider ones overwrite S.
+    const at::Tensor weight_space =
+        std::is_same_v<scalar_t, acc_t> ? workspace_ : at::empty_like(workspace_, q_.features.options());
+    // Last strip first: a strip writes its own rows before any earlier one
+    // adds its mirrored share to them.
+    for (auto strip = strips_.rbegin(); strip != strips_.rend(); ++strip) {
+      const at::Tensor s = strip_similarities(q_, r_, *strip, workspace_);
+      const at::Tensor weights =
+          weight_space.narrow(0, 0, strip->rows * strip->cols).view({strip->rows, strip->cols});
+      const acc_t* coefficient = coefficients.data_ptr<acc_t>();
+      weights_kernel<acc_t, scalar_t><<<strip_grid(*strip, sms_), kThreads, 0, stream>>>(
+          s.data_ptr<acc_t>(), strip->rows, strip->cols, row_labels(*strip), col_labels(*strip), strip->row0,
+          strip->col0, self_, logit_, coefficient + 3 * strip->row0, self_ ? coefficient + 3 * strip->col0 : nullptr,
+          weights.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const at::Tensor own_rows = q_.features.narrow(0, strip->row0, strip->rows);
+      matmul_into(grad_q.narrow(0, strip->row0, strip->rows), weights, r_.features.narrow(0, strip->col0, strip->cols));
+      if (self_) {
+        const int64_t beyond = strip->cols - strip->rows;
+        if (beyond > 0) {
+          matmul_add(grad_q.narrow(0, strip->row0 + strip->rows, beyond), weights.narrow(1, strip->rows, beyond).t(),
+                     own_rows);
+        }
+      } else if (strip == strips_.rbegin()) {
+        matmul_into(grad_r, weights.t(), own_rows);
+      } else {
+        matmul_add(grad_r, weights.t(), own_rows);
+      }
+    }
+    return {grad_q, grad_r};
+  }
+
+ private:
+  const int64_t* row_labels(const Strip& strip) const { return q_.labels.data_ptr<int64_t>() + strip.row0; }
+  const int64_t* col_labels(const Strip& strip) const { return r_.labels.data_ptr<int64_t>() + strip.col0; }
+
+  const KernelRows& q_;
+  const KernelRows& r_;
+  bool self_;
+  PairLogit<acc_t> logit_;
+  std::vector<Strip> strips_;
+  int sms_;
+  at::Tensor workspace_; // (largest strip,) in acc_t
+};
+
+bool has_reference(const std::optional<at::Tensor>& ref_features) {
+  return ref_features.has_value() && ref_features->defined();
+}
+
+std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_cuda(
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const std::optional<at::Tensor>& ref_features, // (M, D)?
+    const std::optional<at::Tensor>& ref_labels, // (M,)?
+    double margin,
+    double gamma) {
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma);
+  const NoAutocast no_autocast;
+  const c10::cuda::CUDAGuard guard(features.device());
+  const bool self = !has_reference(ref_features);
+  const KernelRows q = kernel_rows(features, labels);
+  const KernelRows r = self ? q : kernel_rows(*ref_features, *ref_labels);
+  at::Tensor losses = at::empty({q.size()}, features.options());
+  at::Tensor row_lse = at::empty({q.size(), 2}, features.options().dtype(at::toOpMathType(features.scalar_type())));
+  if (q.size() == 0) {
+    return {losses, row_lse};
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_anchor_loss_cuda", [&] {
+    AnchorPasses<scalar_t>(q, r, self, margin, gamma).forward(losses, row_lse);
+  });
+  return {losses, row_lse};
+}
+
+at::Tensor anchor_loss_cuda(
+    const at::Tensor& features,
+    const at::Tensor& labels,
+    const std::optional<at::Tensor>& ref_features,
+    const std::optional<at::Tensor>& ref_labels,
+    double margin,
+    double gamma) {
+  return std::get<0>(anchor_loss_forward_cuda(features, labels, ref_features, ref_labels, margin, gamma));
+}
+
+std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cuda(
+    const at::Tensor& grad_losses, // (B,)
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const std::optional<at::Tensor>& ref_features, // (M, D)?
+    const std::optional<at::Tensor>& ref_labels, // (M,)?
+    const at::Tensor& row_lse, // (B, 2)
+    double margin,
+    double gamma) {
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma);
+  check_anchor_backward_inputs(grad_losses, features, row_lse);
+  const NoAutocast no_autocast;
+  const c10::cuda::CUDAGuard guard(features.device());
+  const bool self = !has_reference(ref_features);
+  const KernelRows q = kernel_rows(features, labels);
+  const KernelRows r = self ? q : kernel_rows(*ref_features, *ref_labels);
+  at::Tensor grad_q;
+  at::Tensor grad_r;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_anchor_loss_backward_cuda", [&] {
+    const at::Tensor g = grad_losses.to(features.scalar_type()).contiguous();
+    std::tie(grad_q, grad_r) = AnchorPasses<scalar_t>(q, r, self, margin, gamma).backward(g, row_lse.contiguous());
+  });
+  return {grad_q.to(features.scalar_type()), grad_r.to(features.scalar_type())};
+}
+
+} // namespace
+
+TORCH_LIBRARY_IMPL(circle, CUDA, m) {
+  m.impl("anchor_loss", &anchor_loss_cuda);
+  m.impl("_anchor_loss_forward", &anchor_loss_forward_cuda);
+  m.impl("_anchor_loss_backward", &anchor_loss_backward_cuda);
+}
+
+} // namespace circle_loss

@@ -1,0 +1,139 @@
+// The strips of S = rows · colsᵀ that the CUDA kernels of circle::loss (for
+// large batches) and circle::anchor_loss walk: how a product is cut into
+// strips of bounded size, the GEMMs that form and consume them, and the
+// traversal of a strip's entries by the elementwise kernels.
+#pragma once
+
+#include "common.cuh"
+
+#include <ATen/ops/mm.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace circle_loss {
+namespace {
+
+// Largest strip of S held at once. 64 MiB of float32 keeps B = 16 384 in
+// strips of 1 024 rows, wide enough for cuBLAS to run near its peak, and lets
+// batches up to 4 096 run in a single strip that the gradient pass reuses.
+constexpr int64_t kStripBytes = int64_t{64} << 20;
+// Strip heights are multiples of this (and never less): GEMM tile friendly.
+constexpr int64_t kStripAlign = 128;
+// Elementwise kernels: a CTA covers kThreads · kColsPerThread columns of a
+// strip and a grid-stride set of its rows.
+constexpr int kColsPerThread = 4;
+constexpr int64_t kColsPerCta = kThreads * kColsPerThread;
+// One strip of S: rows [row0, row0 + rows) × columns [col0, col0 + cols).
+struct Strip {
+  int64_t row0, rows, col0, cols;
+};
+
+// The strips covering rows × cols. Symmetric (rows and cols one tensor): each
+// strip starts its columns at its first row, so S is covered on and above the
+// diagonal; the first strip is the widest.
+inline std::vector<Strip> plan_strips(int64_t n_rows, int64_t n_cols, bool symmetric, size_t element_bytes) {
+  const int64_t budget_rows = kStripBytes / static_cast<int64_t>(element_bytes) / std::max<int64_t>(n_cols, 1);
+  const int64_t height = budget_rows >= n_rows
+      ? std::max<int64_t>(n_rows, 1)
+      : std::max(kStripAlign, budget_rows / kStripAlign * kStripAlign);
+  std::vector<Strip> strips;
+  for (int64_t row0 = 0; row0 < n_rows; row0 += height) {
+    const int64_t col0 = symmetric ? row0 : 0;
+    strips.push_back({row0, std::min(height, n_rows - row0), col0, n_cols - col0});
+  }
+  return strips;
+}
+
+// Grid of the elementwise kernels over a strip: x over column chunks, y over
+// row groups, enough CTAs to fill every SM (8 × 256 threads): these kernels
+// stream S, and only many loads in flight reach the memory's bandwidth. Fixed
+// by the shapes and the GPU, so the partials, and their fold, are too.
+inline dim3 strip_grid(const Strip& strip, int sms) {
+  constexpr int64_t kCtasPerSm = 8;
+  const int64_t col_chunks = std::max<int64_t>((strip.cols + kColsPerCta - 1) / kColsPerCta, 1);
+  const int64_t row_groups =
+      std::clamp<int64_t>((kCtasPerSm * sms + col_chunks - 1) / col_chunks, 1, std::max<int64_t>(strip.rows, 1));
+  return dim3(static_cast<unsigned>(col_chunks), static_cast<unsigned>(row_groups));
+}
+
+// The current device's multiprocessor count. (ATen's cached device
+// properties come through a header that needs cuBLAS and cuSPARSE headers,
+// which the compile check against a CPU torch does not have.)
+inline int multiprocessors() {
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+  return sms;
+}
+
+// Calls visit(r, c, s_rc, is_positive) for this thread's entries of a strip.
+// Column labels are read once per thread, row labels once per row; the
+// entries of kRowsInFlight rows (64 bytes a thread) are loaded before any is
+// visited, so that enough loads are in flight to stream S at the memory's speed.
+template <typename acc_t, typename Visit>
+__device__ __forceinline__ void for_each_entry(
+    const acc_t* __restrict__ s, // (rows, cols)
+    int64_t rows,
+    int64_t cols,
+    const int64_t* __restrict__ row_labels, // (rows,)
+    const int64_t* __restrict__ col_labels, // (cols,)
+    Visit visit) {
+  constexpr int kRowsInFlight = 16 / sizeof(acc_t);
+  int64_t col[kColsPerThread];
+  int64_t col_label[kColsPerThread];
+#pragma unroll
+  for (int k = 0; k < kColsPerThread; ++k) {
+    col[k] = blockIdx.x * kColsPerCta + k * kThreads + threadIdx.x;
+    col_label[k] = col[k] < cols ? col_labels[col[k]] : 0;
+  }
+  for (int64_t r0 = blockIdx.y; r0 < rows; r0 += static_cast<int64_t>(gridDim.y) * kRowsInFlight) {
+    int64_t row_label[kRowsInFlight];
+    acc_t value[kRowsInFlight][kColsPerThread];
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      const int64_t r = r0 + u * static_cast<int64_t>(gridDim.y);
+      row_label[u] = r < rows ? row_labels[r] : 0;
+#pragma unroll
+      for (int k = 0; k < kColsPerThread; ++k) {
+        value[u][k] = r < rows && col[k] < cols ? s[r * cols + col[k]] : acc_t(0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      const int64_t r = r0 + u * static_cast<int64_t>(gridDim.y);
+#pragma unroll
+      for (int k = 0; k < kColsPerThread; ++k) {
+        if (r < rows && col[k] < cols) visit(r, col[k], value[u][k], row_label[u] == col_label[k]);
+      }
+    }
+  }
+}
+
+// out = a · b, in out's dtype: float16/bfloat16 operands give float32 results
+// (cuBLAS accumulates in float32 either way).
+inline void matmul_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == out.scalar_type()) {
+    at::mm_out(out, a, b);
+  } else {
+    at::mm_out(out, a, b, out.scalar_type());
+  }
+}
+
+// out += a · b, likewise.
+inline void matmul_add(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == out.scalar_type()) {
+    out.addmm_(a, b);
+  } else {
+    out.add_(at::mm(a, b, out.scalar_type()));
+  }
+}
+
+// S for one strip, as a (rows, cols) view of the workspace.
+inline at::Tensor strip_similarities(const KernelRows& rows, const KernelRows& cols, const Strip& strip, const at::Tensor& workspace) {
+  at::Tensor s = workspace.narrow(0, 0, strip.rows * strip.cols).view({strip.rows, strip.cols});
+  matmul_into(s, rows.features.narrow(0, strip.row0, strip.rows), cols.features.narrow(0, strip.col0, strip.cols).t());
+  return s;
+}
+
+} // namespace
+} // namespace circle_loss

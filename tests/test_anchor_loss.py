@@ -1,0 +1,314 @@
+"""circle::anchor_loss, the per-anchor form: against its float64 reference
+(docs/math.md), as a custom operator (opcheck, TorchScript, compile, export),
+and its refusals of bad input."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import circle_loss
+from conftest import make_inputs
+from reference import (
+    FLOAT32_YARDSTICK_FACTOR,
+    TOLERANCE,
+    anchor_reference_and_grads,
+    relative_error,
+)
+
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+SHAPES = [  # (B, D, classes, M or None): tiny, odd, tile edges, several tiles
+    (1, 8, 1, None),
+    (2, 3, 2, None),
+    (7, 5, 3, None),
+    (33, 17, 5, None),
+    (257, 31, 4, None),
+    (300, 64, 40, None),
+    (600, 16, 2, None),
+    (1, 8, 2, 5),
+    (40, 12, 4, 300),
+    (130, 16, 7, 513),
+    (300, 8, 3, 33),
+]
+
+
+def run_anchor(features, labels, ref=None, ref_labels=None, margin=0.4, gamma=80.0, weights=None):
+    """The op's losses and the gradients of Σ weights_i · L_i."""
+    q = features.detach().clone().requires_grad_()
+    r = None if ref is None else ref.detach().clone().requires_grad_()
+    losses = torch.ops.circle.anchor_loss(q, labels, r, ref_labels, margin, gamma)
+    w = torch.ones_like(losses) if weights is None else weights
+    (losses * w).sum().backward()
+    return losses, q.grad, (None if r is None else r.grad)
+
+
+def assert_anchor_matches_reference(features, labels, ref=None, ref_labels=None, margin=0.4, gamma=80.0,
+                                    weights=None):
+    losses, grad_q, grad_r = run_anchor(features, labels, ref, ref_labels, margin, gamma, weights)
+    dtype = features.dtype
+    assert losses.dtype == dtype and losses.shape == (features.shape[0],)
+    assert grad_q.dtype == dtype and grad_q.shape == features.shape
+    ref_losses, ref_q, ref_r = anchor_reference_and_grads(features, labels, ref, ref_labels, margin, gamma, weights)
+    loss_tol, grad_tol = TOLERANCE[dtype]
+    if dtype != torch.float64:
+        # Below float64 the gradient's error is set by the rounding of S,
+        # which gamma amplifies: bounded by a multiple of plain float32's.
+        _, q32, r32 = anchor_reference_and_grads(features, labels, ref, ref_labels, margin, gamma, weights,
+                                                 torch.float32)
+        yardstick = max(relative_error(q32, ref_q), 0 if r32 is None else relative_error(r32, ref_r))
+        grad_tol = max(grad_tol, FLOAT32_YARDSTICK_FACTOR * yardstick)
+    assert torch.isfinite(losses).all()
+    assert relative_error(losses, ref_losses) <= loss_tol, relative_error(losses, ref_losses)
+    assert relative_error(grad_q, ref_q) <= grad_tol, relative_error(grad_q, ref_q)
+    if ref is not None:
+        assert grad_r.dtype == dtype and grad_r.shape == ref.shape
+        assert relative_error(grad_r, ref_r) <= grad_tol, relative_error(grad_r, ref_r)
+
+
+def make_reference_set(rows, dim, classes, device, dtype):
+    return make_inputs(rows, dim, classes, device, dtype) if rows is not None else (None, None)
+
+
+@pytest.mark.parametrize("batch,dim,classes,refs", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_matches_reference(device, batch, dim, classes, refs, dtype):
+    features, labels = make_inputs(batch, dim, classes, device, dtype)
+    ref, ref_labels = make_reference_set(refs, dim, classes, device, dtype)
+    weights = torch.rand(batch, device=device, dtype=dtype)  # the incoming gradient is a vector
+    assert_anchor_matches_reference(features, labels, ref, ref_labels, weights=weights)
+
+
+@pytest.mark.parametrize("margin,gamma", [(0.25, 256.0), (0.1, 16.0), (0.4, -3.0), (0.0, 0.0)])
+def test_margin_and_gamma(device, margin, gamma):
+    features, labels = make_inputs(200, 16, 5, device, torch.float64)
+    ref, ref_labels = make_inputs(90, 16, 5, device, torch.float64)
+    assert_anchor_matches_reference(features, labels, margin=margin, gamma=gamma)
+    assert_anchor_matches_reference(features, labels, ref, ref_labels, margin=margin, gamma=gamma)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("refs", [None, 150])
+def test_half_precision_inputs(device, dtype, refs):
+    features, labels = make_inputs(200, 64, 8, device, dtype)
+    ref, ref_labels = make_reference_set(refs, 64, 8, device, dtype)
+    assert_anchor_matches_reference(features, labels, ref, ref_labels)
+
+
+@pytest.mark.parametrize("layout", ["all_same", "all_distinct", "singletons_and_pairs", "ref_disjoint"])
+def test_rows_with_an_empty_set_give_zero(device, layout):
+    batch = 60
+    labels = {
+        "all_same": torch.zeros(batch, dtype=torch.long),
+        "all_distinct": torch.arange(batch),
+        "singletons_and_pairs": torch.arange(batch) // 2 + (torch.arange(batch) >= 30) * 100 * torch.arange(batch),
+        "ref_disjoint": torch.zeros(batch, dtype=torch.long),
+    }[layout].to(device)
+    features, _ = make_inputs(batch, 8, 1, device, torch.float64)
+    if layout == "ref_disjoint":
+        ref, ref_labels = make_inputs(20, 8, 1, device, torch.float64)
+        ref_labels = ref_labels + 1  # every pair negative: no row has a positive
+        losses, grad_q, grad_r = run_anchor(features, labels, ref, ref_labels)
+        assert torch.equal(grad_r, torch.zeros_like(grad_r))
+    else:
+        losses, grad_q, _ = run_anchor(features, labels)
+        assert_anchor_matches_reference(features, labels)
+    if layout != "singletons_and_pairs":
+        assert torch.equal(losses, torch.zeros_like(losses))
+        assert torch.equal(grad_q, torch.zeros_like(grad_q))
+
+
+def test_empty_inputs(device):
+    features, labels = make_inputs(0, 8, 1, device)
+    losses, grad_q, _ = run_anchor(features, labels)
+    assert losses.shape == (0,) and grad_q.shape == (0, 8)
+    ref, ref_labels = make_inputs(0, 8, 1, device)
+    features, labels = make_inputs(5, 8, 2, device)
+    losses, grad_q, grad_r = run_anchor(features, labels, ref, ref_labels)
+    assert torch.equal(losses, torch.zeros(5, device=device)) and grad_r.shape == (0, 8)
+    assert torch.equal(grad_q, torch.zeros_like(grad_q))
+
+
+def test_nan_propagates(device):
+    features, labels = make_inputs(40, 8, 3, device)
+    features[3, 2] = float("nan")
+    losses = torch.ops.circle.anchor_loss(features, labels)
+    assert torch.isnan(losses[3])
+
+
+def test_bitwise_deterministic_for_any_thread_count(device):
+    features, labels = make_inputs(700, 32, 6, device)
+    ref, ref_labels = make_inputs(300, 32, 6, device)
+    threads = torch.get_num_threads()
+    results = []
+    for n in ([1, threads] if device.type == "cpu" else [threads, threads]):
+        torch.set_num_threads(n)
+        try:
+            results.append(run_anchor(features, labels) + run_anchor(features, labels, ref, ref_labels))
+        finally:
+            torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert a is None or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, requires_grad):
+    for batch, dim, classes, refs in [(1, 4, 1, None), (37, 16, 5, None), (30, 8, 3, 45)]:
+        features, labels = make_inputs(batch, dim, classes, device)
+        ref, ref_labels = make_reference_set(refs, dim, classes, device, torch.float32)
+        features.requires_grad_(requires_grad)
+        if ref is not None:
+            ref.requires_grad_(requires_grad)
+        for args in [(features, labels, ref, ref_labels), (features, labels, ref, ref_labels, 0.25, 32.0)]:
+            torch.library.opcheck(torch.ops.circle.anchor_loss.default, args, test_utils=OPCHECK_TESTS)
+
+
+def test_opcheck_internal_ops(device):
+    features, labels = make_inputs(40, 8, 4, device)
+    ref, ref_labels = make_inputs(25, 8, 4, device)
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor")
+    for r, rl in [(None, None), (ref, ref_labels)]:
+        args = (features, labels, r, rl, 0.4, 80.0)
+        torch.library.opcheck(torch.ops.circle._anchor_loss_forward.default, args, test_utils=tests)
+        _, row_lse = torch.ops.circle._anchor_loss_forward(*args)
+        grad = torch.rand(40, device=device)
+        torch.library.opcheck(torch.ops.circle._anchor_loss_backward.default,
+                              (grad, features, labels, r, rl, row_lse, 0.4, 80.0), test_utils=tests)
+
+
+@pytest.mark.parametrize("with_ref", [False, True])
+def test_torch_compile_fullgraph_dynamic(device, with_ref):
+    torch._dynamo.reset()
+    criterion = circle_loss.AnchorCircleLoss(margin=0.3, gamma=64.0)
+
+    def step(x, labels, r, ref_labels):
+        n = torch.nn.functional.normalize
+        return criterion(n(x, dim=1), labels, None if r is None else n(r, dim=1), ref_labels)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    for batch in (64, 97, 150):
+        features, labels = make_inputs(batch, 24, 6, device, normalize=False)
+        ref, ref_labels = make_inputs(batch + 10, 24, 6, device, normalize=False) if with_ref else (None, None)
+        x_eager, x_comp = features.clone().requires_grad_(), features.clone().requires_grad_()
+        eager = step(x_eager, labels, ref, ref_labels)
+        eager.backward()
+        loss = compiled(x_comp, labels, ref, ref_labels)
+        loss.backward()
+        torch.testing.assert_close(loss, eager, rtol=1e-6, atol=0)
+        assert relative_error(x_comp.grad, x_eager.grad) <= TOLERANCE[torch.float32][1]
+
+
+def test_torch_export_keeps_one_node(device):
+    class Model(torch.nn.Module):
+        def forward(self, x, labels, ref, ref_labels):
+            return circle_loss.anchor_loss(x, labels, ref, ref_labels)
+
+    batch = torch.export.Dim("batch", min=2)
+    refs = torch.export.Dim("refs", min=2)
+    features, labels = make_inputs(50, 8, 4, device)
+    ref, ref_labels = make_inputs(70, 8, 4, device)
+    program = torch.export.export(Model(), (features, labels, ref, ref_labels),
+                                  dynamic_shapes=({0: batch}, {0: batch}, {0: refs}, {0: refs}))
+    nodes = [n for n in program.graph.nodes if n.op == "call_function"]
+    assert [str(n.target) for n in nodes] == ["circle.anchor_loss.default"]
+    features, labels = make_inputs(80, 8, 4, device)
+    ref, ref_labels = make_inputs(33, 8, 4, device)
+    torch.testing.assert_close(program.module()(features, labels, ref, ref_labels),
+                               circle_loss.anchor_loss(features, labels, ref, ref_labels))
+
+
+class Scripted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(10, 6)
+        self.criterion = circle_loss.AnchorCircleLoss(margin=0.3, gamma=64.0)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor):
+        e = torch.nn.functional.normalize(self.linear(x), dim=1)
+        return self.criterion(e, labels) + self.criterion(e, labels, bank, bank_labels)
+
+
+def test_torchscript_saved_and_run_in_fresh_process(tmp_path, device):
+    torch.manual_seed(0)
+    module = Scripted().to(device)
+    scripted = torch.jit.script(module)
+    x, labels = torch.randn(25, 10, device=device), torch.arange(25, device=device) % 4
+    bank, bank_labels = make_inputs(40, 6, 4, device)
+    expected = module(x, labels, bank, bank_labels)
+    torch.testing.assert_close(scripted(x, labels, bank, bank_labels), expected)
+    path = tmp_path / "scripted.pt"
+    scripted.save(str(path))
+    torch.save({"x": x.cpu(), "labels": labels.cpu(), "bank": bank.cpu(), "bank_labels": bank_labels.cpu()},
+               tmp_path / "inputs.pt")
+    code = f"""
+        import torch
+        torch.ops.load_library({circle_loss.library_path()!r})
+        model = torch.jit.load({str(path)!r})
+        d = {str(device)!r}
+        inputs = {{k: v.to(d) for k, v in torch.load({str(tmp_path / "inputs.pt")!r}).items()}}
+        loss = model(inputs["x"], inputs["labels"], inputs["bank"], inputs["bank_labels"])
+        loss.backward()
+        print(repr(float(loss)))
+        """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) == pytest.approx(expected.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make_args,message",
+    [
+        (lambda f, y, r, ry: (f, y, r, None), "ref_features and ref_labels must be given together"),
+        (lambda f, y, r, ry: (f, y, None, ry), "ref_features and ref_labels must be given together"),
+        (lambda f, y, r, ry: (f, y, r[:, :4], ry), "ref_features must have the width D of features"),
+        (lambda f, y, r, ry: (f, y, r.double(), ry), "ref_features must have the dtype of features"),
+        (lambda f, y, r, ry: (f, y, r, ry[:-1]), "ref_labels must have one entry per row of ref_features"),
+        (lambda f, y, r, ry: (f, y, r, ry.float()), "ref_labels must have an integer dtype"),
+        (lambda f, y, r, ry: (f, y, r[0], ry), "ref_features must be a 2-D tensor"),
+        (lambda f, y, r, ry: (f[0], y, r, ry), "features must be a 2-D tensor"),
+        (lambda f, y, r, ry: (f, y[:-1], r, ry), "labels must have one entry per row of features"),
+        (lambda f, y, r, ry: (f, None, r, ry), "labels must be a tensor"),
+    ],
+)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_bad_input_is_named(device, make_args, message, requires_grad):
+    features, labels = make_inputs(10, 8, 3, device)
+    ref, ref_labels = make_inputs(12, 8, 3, device)
+    features.requires_grad_(requires_grad)
+    with pytest.raises(RuntimeError, match=f"circle::anchor_loss: {message}"):
+        torch.ops.circle.anchor_loss(*make_args(features, labels, ref, ref_labels))
+
+
+@pytest.mark.parametrize("name", ["margin", "gamma"])
+def test_non_finite_scalars(device, name):
+    features, labels = make_inputs(4, 3, 2, device)
+    kwargs = {"margin": 0.4, "gamma": 80.0, name: float("inf")}
+    with pytest.raises(RuntimeError, match=f"circle::anchor_loss: {name} must be a finite float"):
+        torch.ops.circle.anchor_loss(features, labels, **kwargs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_reference_on_another_device():
+    features, labels = make_inputs(10, 8, 3, "cuda")
+    ref, ref_labels = make_inputs(12, 8, 3, "cpu")
+    with pytest.raises(RuntimeError, match="ref_features must be on the device of features"):
+        torch.ops.circle.anchor_loss(features, labels, ref, ref_labels.cuda())
+
+
+def test_double_backward_and_forward_ad_are_refused(device):
+    features, labels = make_inputs(16, 8, 3, device)
+    x = features.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(torch.ops.circle.anchor_loss(x, labels).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not support forward-mode AD"):
+        torch.func.jvp(lambda f: torch.ops.circle.anchor_loss(f, labels), (features,), (torch.randn_like(features),))
+
+
+def test_autocast_leaves_the_op_alone(device):
+    features, labels = make_inputs(300, 16, 5, device)
+    plain = torch.ops.circle.anchor_loss(features, labels)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        cast = torch.ops.circle.anchor_loss(features, labels)
+    assert torch.equal(cast, plain)
