@@ -1,10 +1,12 @@
-"""Where one call of torch.ops.circle.loss spends its time: host-side ATen ops
-and launches, and the GPU kernels, from torch.profiler. With --graph, the
-kernels of forward+backward replayed from a CUDA graph, back to back as the
-graph-replay figure runs them (eager calls leave the GPU idle between them).
+"""Where one call of torch.ops.circle.loss (--op anchor: anchor_loss) spends
+its time: host-side ATen ops and launches, and the GPU kernels, from
+torch.profiler. With --graph, the kernels of forward+backward replayed from a
+CUDA graph, back to back as the graph-replay figure runs them (eager calls
+leave the GPU idle between them).
 
     python bench/profile_op.py --sizes 256 16384
     python bench/profile_op.py --sizes 256 512 --graph
+    python bench/profile_op.py --op anchor --sizes 4096 16384 [--refs 65536]
 """
 
 from __future__ import annotations
@@ -24,19 +26,27 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--graph", action="store_true", help="profile CUDA-graph replays of forward+backward")
+    parser.add_argument("--op", default="loss", choices=["loss", "anchor"])
+    parser.add_argument("--refs", type=int, help="anchor: this many reference rows")
     args = parser.parse_args()
     if args.graph:
         return profile_graph_replays(args)
     for batch in args.sizes:
         features, labels = make_inputs(batch, args.dim, getattr(torch, args.dtype), "cuda", classes=100)
         leaf = features.clone().requires_grad_()
+        refs = make_inputs(args.refs, args.dim, getattr(torch, args.dtype), "cuda", classes=100) if args.refs else None
+
+        def op(x):
+            if args.op == "loss":
+                return torch.ops.circle.loss(x, labels)
+            return torch.ops.circle.anchor_loss(x, labels, *(refs or (None, None))).mean()
 
         def forward():
             with torch.no_grad():
-                torch.ops.circle.loss(features, labels)
+                op(features)
 
         def forward_backward():
-            torch.autograd.grad(torch.ops.circle.loss(leaf, labels), leaf)
+            torch.autograd.grad(op(leaf), leaf)
 
         for name, step in (("fwd", forward), ("fwd+bwd", forward_backward)):
             for _ in range(3):
@@ -47,7 +57,8 @@ def main() -> None:
                     step()
                 torch.cuda.synchronize()
             averages = prof.key_averages()
-            print(f"\n=== B={batch} D={args.dim} {args.dtype} {name}, {args.calls} calls ===")
+            shape = f"B={batch}" + (f" M={args.refs}" if refs else "")
+            print(f"\n=== {args.op} {shape} D={args.dim} {args.dtype} {name}, {args.calls} calls ===")
             print(averages.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
             print(averages.table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=60))
 

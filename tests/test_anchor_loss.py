@@ -294,7 +294,7 @@ def test_reference_on_another_device():
     features, labels = make_inputs(10, 8, 3, "cuda")
     ref, ref_labels = make_inputs(12, 8, 3, "cpu")
     with pytest.raises(RuntimeError, match="ref_features must be on the device of features"):
-        torch.ops.circle.anchor_loss(features, labels, ref, ref_labels.cuda())
+        torch.ops.circle.anchor_loss(features, labels, ref, ref_labels)
 
 
 def test_double_backward_and_forward_ad_are_refused(device):

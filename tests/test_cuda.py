@@ -172,3 +172,53 @@ def test_several_strips_edge_cases(layout, dtype):
         assert loss.item() == 0 and torch.count_nonzero(grad).item() == 0
     else:
         assert_matches_reference(loss, grad, features, labels)
+
+
+# circle::anchor_loss: strips of S too, with per-row states. Without a
+# reference set B = 4500 gives 8 strips (S from each strip's first row on, the
+# mirrored pairs reduced by column); against M = 140 000 references a strip
+# holds 128 of the 300 rows.
+def anchor_loss_and_grads(features, labels, ref=None, ref_labels=None):
+    losses = torch.ops.circle.anchor_loss(features, labels, ref, ref_labels)
+    weights = torch.linspace(0.5, 1.5, losses.numel(), device=losses.device, dtype=losses.dtype)
+    inputs = [features] if ref is None else [features, ref]
+    return (losses, *torch.autograd.grad((losses * weights).sum(), inputs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["self", "reference"])
+def test_anchor_loss_over_several_strips(dtype, case):
+    from test_anchor_loss import assert_anchor_matches_reference
+
+    if case == "self":
+        features, labels = make_inputs(4500, 24, 60, "cuda", dtype)
+        assert_anchor_matches_reference(features, labels, weights=torch.rand(4500, device="cuda", dtype=dtype))
+    else:
+        features, labels = make_inputs(300, 8, 4, "cuda", dtype)
+        ref, ref_labels = make_inputs(140_000, 8, 4, "cuda", dtype)
+        assert_anchor_matches_reference(features, labels, ref, ref_labels)
+
+
+@pytest.mark.parametrize("case", ["small", "self strips", "reference strips"])
+def test_anchor_loss_graph_capture_and_determinism(case):
+    batch, refs = {"small": (200, None), "self strips": (4500, None), "reference strips": (300, 140_000)}[case]
+    x, y = make_inputs(batch, 16, 7, "cuda")
+    r, ry = make_inputs(refs, 16, 7, "cuda") if refs else (None, None)
+    x.requires_grad_()
+    if r is not None:
+        r.requires_grad_()
+    expected = anchor_loss_and_grads(x, y, r, ry)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            again = anchor_loss_and_grads(x, y, r, ry)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(again, expected))  # bitwise, on another stream
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # raises if anything synchronises with the host
+        captured = anchor_loss_and_grads(x, y, r, ry)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, expected))

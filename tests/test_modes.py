@@ -53,7 +53,7 @@ def test_forward_mode_ad_gives_the_directional_derivative(device, dtype):
     features, labels = make_inputs(120, 16, 5, device, dtype)
     tangent = torch.randn_like(features)
     _, ref_grad = reference_loss_and_grad(features, labels, 0.25, 64.0)
-    expected = (ref_grad * tangent.double().cpu()).sum()
+    expected = (ref_grad.cpu() * tangent.double().cpu()).sum()
     tol = 10 * TOLERANCE[dtype][1]
     op = lambda f: torch.ops.circle.loss(f, labels, 0.25, 64.0)  # noqa: E731
 

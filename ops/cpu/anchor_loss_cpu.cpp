@@ -22,6 +22,7 @@
 #include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <limits>
 #include <optional>
@@ -35,137 +36,284 @@ using namespace cpu;
 // Each row's LSE states of (positive, negative) pairs.
 using RowStates = std::vector<std::array<LseAccumulator, 2>>;
 
-// Which set a pair belongs to: 0 positive, 1 negative, -1 none (the pair
-// (i, i) without a reference set).
-constexpr int8_t kNoSet = -1;
-
-// A tile of pairs rows × cols with each pair's logit and set. `diagonal`:
-// the tile holds pairs (i, i) at column = row (a diagonal tile of the
-// symmetric case), which belong to no set.
+// A tile of pairs rows × cols and their logits. `diagonal`: a diagonal tile
+// of the symmetric case, whose pairs (i, i) belong to no set; their logits
+// are set to -inf, which contributes exactly nothing to an LSE (below, a
+// -inf logit never counts, as exp(-inf) = 0), so the loops over the tile
+// need no test for them. The loops test the set inline from the int32 class
+// ids, branch-free, so that they vectorise.
 template <typename T>
 struct PairTile {
   at::Tensor logits; // (R, C)
-  std::vector<int8_t> set; // (R, C)
+  const int32_t* row_ids; // (R,)
+  const int32_t* col_ids; // (C,)
   int64_t rows;
   int64_t cols;
 
   PairTile(
       const at::Tensor& row_features, // (R, D)
-      const int32_t* row_ids, // (R,)
+      const int32_t* row_ids_,
       const at::Tensor& col_features, // (C, D)
-      const int32_t* col_ids, // (C,)
+      const int32_t* col_ids_,
       const PairLogit<T>& logit,
       bool diagonal)
       : logits(at::mm(row_features, col_features.t())),
-        set(row_features.size(0) * col_features.size(0)),
+        row_ids(row_ids_),
+        col_ids(col_ids_),
         rows(row_features.size(0)),
         cols(col_features.size(0)) {
-    T* z = logits.data_ptr<T>();
-    for (int64_t i = 0; i < rows; ++i) {
-      for (int64_t j = 0; j < cols; ++j) {
-        const bool positive = row_ids[i] == col_ids[j];
+    const int64_t n_rows = rows, n_cols = cols;
+    const int32_t* __restrict__ y = col_ids;
+    for (int64_t i = 0; i < n_rows; ++i) {
+      T* __restrict__ zi = logits.data_ptr<T>() + i * n_cols;
+      const int32_t yi = row_ids[i];
+      for (int64_t j = 0; j < n_cols; ++j) {
         T slope;
-        z[i * cols + j] = logit(z[i * cols + j], positive, &slope);
-        set[i * cols + j] = diagonal && i == j ? kNoSet : positive ? 0 : 1;
+        zi[j] = logit(zi[j], yi == y[j], &slope);
+      }
+    }
+    if (diagonal) {
+      for (int64_t i = 0; i < std::min(n_rows, n_cols); ++i) {
+        logits.data_ptr<T>()[i * n_cols + i] = -std::numeric_limits<T>::infinity();
       }
     }
   }
 };
 
-// Merges the LSE states of the tile's rows (by_column: of its columns) into
-// states[0, R) (states[0, C)). Two passes: the maxima, then the sums of
-// exp(z - max) through ATen's vectorised exp.
+// Reductions along a row run in kLanes independent lanes, each an
+// elementwise step over a chunk of the row, so that they vectorise (one
+// running value per row would chain every step to the last).
+constexpr int64_t kLanes = 16;
+
+constexpr int kPositive = 0;
+constexpr int kNegative = 1;
+
+// exp(z - m) with m the max of z's set, max_pos or max_neg indexed by z's row
+// (by_row) or column; 0 for z = -inf. As max_ratio: a logit equal to its
+// set's max gives exp(0), +inf too.
 template <typename T>
-void merge_tile_states(const PairTile<T>& tile, bool by_column, std::array<LseAccumulator, 2>* states) {
+at::Tensor shifted_exp(const PairTile<T>& tile, const T* max_pos, const T* max_neg, bool by_row) {
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
-  const int64_t lines = by_column ? tile.cols : tile.rows;
-  const T* z = tile.logits.template data_ptr<T>();
-  const auto index = [&](int64_t line, int64_t k) { return by_column ? k * tile.cols + line : line * tile.cols + k; };
-  const int64_t length = by_column ? tile.rows : tile.cols;
-  std::vector<std::array<T, 2>> line_max(lines, {kNegInf, kNegInf});
-  for (int64_t line = 0; line < lines; ++line) {
-    for (int64_t k = 0; k < length; ++k) {
-      const int64_t e = index(line, k);
-      if (tile.set[e] != kNoSet) line_max[line][tile.set[e]] = nan_max(line_max[line][tile.set[e]], z[e]);
-    }
-  }
+  const int64_t n_rows = tile.rows, n_cols = tile.cols;
+  const int32_t* __restrict__ y = tile.col_ids;
   at::Tensor shifted = at::empty_like(tile.logits);
-  T* d = shifted.data_ptr<T>();
-  for (int64_t line = 0; line < lines; ++line) {
-    for (int64_t k = 0; k < length; ++k) {
-      const int64_t e = index(line, k);
-      const T m = tile.set[e] == kNoSet ? kNegInf : line_max[line][tile.set[e]];
-      // As max_ratio: a logit equal to its set's max gives exp(0), infinite ones too.
-      d[e] = tile.set[e] == kNoSet ? kNegInf : z[e] == m ? T(0) : z[e] - m;
+  for (int64_t i = 0; i < n_rows; ++i) {
+    const T* __restrict__ zi = tile.logits.template data_ptr<T>() + i * n_cols;
+    T* __restrict__ di = shifted.data_ptr<T>() + i * n_cols;
+    const int32_t yi = tile.row_ids[i];
+    if (by_row) {
+      const T row_pos = max_pos[i], row_neg = max_neg[i];
+      for (int64_t j = 0; j < n_cols; ++j) {
+        const T m = yi == y[j] ? row_pos : row_neg;
+        di[j] = zi[j] == kNegInf ? kNegInf : zi[j] == m ? T(0) : zi[j] - m;
+      }
+    } else {
+      const T* __restrict__ col_pos = max_pos;
+      const T* __restrict__ col_neg = max_neg;
+      for (int64_t j = 0; j < n_cols; ++j) {
+        const T pos = col_pos[j], neg = col_neg[j];
+        const T m = yi == y[j] ? pos : neg;
+        di[j] = zi[j] == kNegInf ? kNegInf : zi[j] == m ? T(0) : zi[j] - m;
+      }
     }
   }
-  shifted.exp_();
-  for (int64_t line = 0; line < lines; ++line) {
-    std::array<double, 2> sum = {0.0, 0.0};
-    for (int64_t k = 0; k < length; ++k) {
-      const int64_t e = index(line, k);
-      if (tile.set[e] != kNoSet) sum[tile.set[e]] += d[e];
+  return shifted.exp_(); // ATen's vectorised exp
+}
+
+// Merges the LSE states of the tile's rows into states[0, R): the maxima,
+// then the sums of exp(z - max).
+template <typename T>
+void merge_row_states(const PairTile<T>& tile, std::array<LseAccumulator, 2>* states) {
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  const int64_t n_rows = tile.rows, n_cols = tile.cols;
+  const int32_t* __restrict__ y = tile.col_ids;
+  std::vector<T> row_max_pos(n_rows), row_max_neg(n_rows);
+  for (int64_t i = 0; i < n_rows; ++i) {
+    const T* __restrict__ zi = tile.logits.template data_ptr<T>() + i * n_cols;
+    const int32_t yi = tile.row_ids[i];
+    T lane_pos[kLanes], lane_neg[kLanes];
+    std::fill(lane_pos, lane_pos + kLanes, kNegInf);
+    std::fill(lane_neg, lane_neg + kLanes, kNegInf);
+    for (int64_t j0 = 0; j0 < n_cols; j0 += kLanes) {
+      const int64_t lanes = std::min(kLanes, n_cols - j0);
+      for (int64_t k = 0; k < lanes; ++k) {
+        const bool positive = yi == y[j0 + k];
+        const T v_pos = positive ? zi[j0 + k] : kNegInf;
+        const T v_neg = positive ? kNegInf : zi[j0 + k];
+        lane_pos[k] = nan_max(v_pos, lane_pos[k]);
+        lane_neg[k] = nan_max(v_neg, lane_neg[k]);
+      }
     }
-    for (int s = 0; s < 2; ++s) states[line][s].merge(line_max[line][s], sum[s]);
+    T m_pos = kNegInf, m_neg = kNegInf;
+    for (int64_t k = 0; k < kLanes; ++k) {
+      m_pos = nan_max(m_pos, lane_pos[k]);
+      m_neg = nan_max(m_neg, lane_neg[k]);
+    }
+    row_max_pos[i] = m_pos;
+    row_max_neg[i] = m_neg;
+  }
+  const at::Tensor shifted = shifted_exp(tile, row_max_pos.data(), row_max_neg.data(), /*by_row=*/true);
+  for (int64_t i = 0; i < n_rows; ++i) {
+    const T* __restrict__ di = shifted.data_ptr<T>() + i * n_cols;
+    const int32_t yi = tile.row_ids[i];
+    T lane_pos[kLanes] = {}, lane_neg[kLanes] = {};
+    for (int64_t j0 = 0; j0 < n_cols; j0 += kLanes) {
+      const int64_t lanes = std::min(kLanes, n_cols - j0);
+      for (int64_t k = 0; k < lanes; ++k) {
+        const bool positive = yi == y[j0 + k];
+        const T d = di[j0 + k];
+        lane_pos[k] += positive ? d : T(0);
+        lane_neg[k] += positive ? T(0) : d;
+      }
+    }
+    double sum_pos = 0.0, sum_neg = 0.0;
+    for (int64_t k = 0; k < kLanes; ++k) {
+      sum_pos += lane_pos[k];
+      sum_neg += lane_neg[k];
+    }
+    states[i][kPositive].merge(row_max_pos[i], sum_pos);
+    states[i][kNegative].merge(row_max_neg[i], sum_neg);
   }
 }
 
-// What the backward needs of a row: its two LSEs and g_i·σ(Z_i), 0 for a row
-// whose loss is identically 0 (an empty set).
+// Merges the LSE states of the tile's columns into states[0, C), running
+// down the rows with one value per column: elementwise over each row.
+template <typename T>
+void merge_column_states(const PairTile<T>& tile, std::array<LseAccumulator, 2>* states) {
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  const int64_t n_rows = tile.rows, n_cols = tile.cols;
+  const int32_t* __restrict__ y = tile.col_ids;
+  std::vector<T> max_pos_v(n_cols, kNegInf), max_neg_v(n_cols, kNegInf);
+  T* __restrict__ max_pos = max_pos_v.data();
+  T* __restrict__ max_neg = max_neg_v.data();
+  for (int64_t i = 0; i < n_rows; ++i) {
+    const T* __restrict__ zi = tile.logits.template data_ptr<T>() + i * n_cols;
+    const int32_t yi = tile.row_ids[i];
+    for (int64_t j = 0; j < n_cols; ++j) {
+      const bool positive = yi == y[j];
+      const T v_pos = positive ? zi[j] : kNegInf;
+      const T v_neg = positive ? kNegInf : zi[j];
+      max_pos[j] = nan_max(v_pos, max_pos[j]);
+      max_neg[j] = nan_max(v_neg, max_neg[j]);
+    }
+  }
+  const at::Tensor shifted = shifted_exp(tile, max_pos, max_neg, /*by_row=*/false);
+  std::vector<T> sum_pos_v(n_cols, T(0)), sum_neg_v(n_cols, T(0));
+  T* __restrict__ sum_pos = sum_pos_v.data();
+  T* __restrict__ sum_neg = sum_neg_v.data();
+  for (int64_t i = 0; i < n_rows; ++i) {
+    const T* __restrict__ di = shifted.data_ptr<T>() + i * n_cols;
+    const int32_t yi = tile.row_ids[i];
+    for (int64_t j = 0; j < n_cols; ++j) {
+      const bool positive = yi == y[j];
+      sum_pos[j] += positive ? di[j] : T(0);
+      sum_neg[j] += positive ? T(0) : di[j];
+    }
+  }
+  for (int64_t j = 0; j < n_cols; ++j) {
+    states[j][kPositive].merge(max_pos[j], sum_pos[j]);
+    states[j][kNegative].merge(max_neg[j], sum_neg[j]);
+  }
+}
+
+// What the backward needs of each row, as arrays: its two LSEs and
+// g_i·σ(Z_i), 0 for a row whose loss is identically 0 (an empty set).
 template <typename T>
 struct RowCoefficients {
-  T lse[2];
-  T factor;
+  std::vector<T> lse_pos, lse_neg, factor;
+
+  explicit RowCoefficients(int64_t n) : lse_pos(n), lse_neg(n), factor(n) {}
+
+  // The rows from `first` on, as the pointers a tile reads.
+  struct View {
+    const T* lse_pos;
+    const T* lse_neg;
+    const T* factor;
+  };
+  View from(int64_t first) const { return {lse_pos.data() + first, lse_neg.data() + first, factor.data() + first}; }
 };
 
-// The tile of weights W_ij (with col_coefficients: W_ij + W_ji) for rows × cols.
+// exp(z - LSE of z's set) of `view`'s row (by_row) or column, 0 where that
+// row's factor is 0.
+template <typename T>
+at::Tensor softmax_weights(
+    const at::Tensor& logits, // (R, C)
+    const int32_t* row_ids,
+    const int32_t* col_ids,
+    const typename RowCoefficients<T>::View& view,
+    bool by_row) {
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  const int64_t n_rows = logits.size(0), n_cols = logits.size(1);
+  const int32_t* __restrict__ y = col_ids;
+  at::Tensor out = at::empty_like(logits);
+  for (int64_t i = 0; i < n_rows; ++i) {
+    const T* __restrict__ zi = logits.data_ptr<T>() + i * n_cols;
+    T* __restrict__ oi = out.data_ptr<T>() + i * n_cols;
+    const int32_t yi = row_ids[i];
+    if (by_row) {
+      const T lse_pos = view.lse_pos[i], lse_neg = view.lse_neg[i];
+      const bool off = view.factor[i] == T(0);
+      for (int64_t j = 0; j < n_cols; ++j) {
+        const T lse = yi == y[j] ? lse_pos : lse_neg;
+        oi[j] = off ? kNegInf : zi[j] - lse;
+      }
+    } else {
+      const T* __restrict__ lse_pos = view.lse_pos;
+      const T* __restrict__ lse_neg = view.lse_neg;
+      const T* __restrict__ factor = view.factor;
+      for (int64_t j = 0; j < n_cols; ++j) {
+        const T pos = lse_pos[j], neg = lse_neg[j];
+        const T lse = yi == y[j] ? pos : neg;
+        oi[j] = factor[j] == T(0) ? kNegInf : zi[j] - lse;
+      }
+    }
+  }
+  return out.exp_();
+}
+
+// The tile of weights W_ij (with col_view: W_ij + W_ji) for rows × cols;
+// diagonal: the pairs (i, i) of a diagonal tile of the symmetric case get 0.
 template <typename T>
 at::Tensor tile_weights(
     const at::Tensor& row_features, // (R, D)
     const int32_t* row_ids, // (R,)
-    const RowCoefficients<T>* row_coefficients, // (R,)
+    const typename RowCoefficients<T>::View& row_view,
     const at::Tensor& col_features, // (C, D)
     const int32_t* col_ids, // (C,)
-    const RowCoefficients<T>* col_coefficients, // (C,) or null
+    const typename RowCoefficients<T>::View* col_view, // or null
     const PairLogit<T>& logit,
     bool diagonal) {
-  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
-  const int64_t rows = row_features.size(0);
-  const int64_t cols = col_features.size(0);
-  at::Tensor s = at::mm(row_features, col_features.t());
-  at::Tensor slopes = at::empty_like(s);
-  at::Tensor by_row = at::empty_like(s);
-  at::Tensor by_col = col_coefficients != nullptr ? at::empty_like(s) : at::Tensor();
-  const T* ss = s.data_ptr<T>();
-  T* cs = slopes.data_ptr<T>();
-  T* rs = by_row.data_ptr<T>();
-  T* ks = col_coefficients != nullptr ? by_col.data_ptr<T>() : nullptr;
-  for (int64_t i = 0; i < rows; ++i) {
-    const RowCoefficients<T>& ri = row_coefficients[i];
-    for (int64_t j = 0; j < cols; ++j) {
-      const int64_t e = i * cols + j;
-      const bool positive = row_ids[i] == col_ids[j];
-      const bool none = diagonal && i == j;
-      const T z = logit(ss[e], positive, cs + e);
-      const int set = positive ? 0 : 1;
-      rs[e] = none || ri.factor == T(0) ? kNegInf : z - ri.lse[set];
-      if (ks != nullptr) {
-        const RowCoefficients<T>& rj = col_coefficients[j];
-        ks[e] = none || rj.factor == T(0) ? kNegInf : z - rj.lse[set];
-      }
+  const int64_t n_rows = row_features.size(0), n_cols = col_features.size(0);
+  at::Tensor logits = at::mm(row_features, col_features.t()); // S, then z
+  at::Tensor slopes = at::empty_like(logits);
+  const int32_t* __restrict__ y = col_ids;
+  for (int64_t i = 0; i < n_rows; ++i) {
+    T* __restrict__ zi = logits.data_ptr<T>() + i * n_cols;
+    T* __restrict__ ci = slopes.data_ptr<T>() + i * n_cols;
+    const int32_t yi = row_ids[i];
+    for (int64_t j = 0; j < n_cols; ++j) {
+      zi[j] = logit(zi[j], yi == y[j], ci + j);
     }
   }
-  by_row.exp_();
-  if (ks != nullptr) by_col.exp_();
-  for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t j = 0; j < cols; ++j) {
-      const int64_t e = i * cols + j;
-      T w = row_coefficients[i].factor * rs[e];
-      if (ks != nullptr) w += col_coefficients[j].factor * ks[e];
-      rs[e] = w * cs[e];
+  at::Tensor weights = softmax_weights<T>(logits, row_ids, col_ids, row_view, /*by_row=*/true);
+  const at::Tensor mirrored =
+      col_view != nullptr ? softmax_weights<T>(logits, row_ids, col_ids, *col_view, /*by_row=*/false) : at::Tensor();
+  for (int64_t i = 0; i < n_rows; ++i) {
+    T* __restrict__ wi = weights.data_ptr<T>() + i * n_cols;
+    const T* __restrict__ ci = slopes.data_ptr<T>() + i * n_cols;
+    const T row_factor = row_view.factor[i];
+    if (col_view != nullptr) {
+      const T* __restrict__ mi = mirrored.data_ptr<T>() + i * n_cols;
+      const T* __restrict__ col_factor = col_view->factor;
+      for (int64_t j = 0; j < n_cols; ++j) wi[j] = (row_factor * wi[j] + col_factor[j] * mi[j]) * ci[j];
+    } else {
+      for (int64_t j = 0; j < n_cols; ++j) wi[j] = row_factor * wi[j] * ci[j];
     }
   }
-  return by_row;
+  if (diagonal) {
+    for (int64_t i = 0; i < std::min(n_rows, n_cols); ++i) weights.data_ptr<T>()[i * n_cols + i] = T(0);
+  }
+  return weights;
 }
 
 // Rows of block b of a (N, ...) tensor.
@@ -189,8 +337,8 @@ RowStates row_states_symmetric(const at::Tensor& f, const int32_t* ids, const Pa
   RowStates by_row(batch), by_col(batch);
   for_each_symmetric_round(at::divup(batch, kTile), [&](int64_t round, int64_t bi, int64_t bj) {
     const PairTile<T> tile(block_of(f, bi), ids + bi * kTile, block_of(f, bj), ids + bj * kTile, logit, round == 0);
-    merge_tile_states(tile, /*by_column=*/false, by_row.data() + bi * kTile);
-    if (round != 0) merge_tile_states(tile, /*by_column=*/true, by_col.data() + bj * kTile);
+    merge_row_states(tile, by_row.data() + bi * kTile);
+    if (round != 0) merge_column_states(tile, by_col.data() + bj * kTile);
   });
   for (int64_t i = 0; i < batch; ++i) {
     for (int s = 0; s < 2; ++s) by_row[i][s].merge(by_col[i][s].max, by_col[i][s].sum);
@@ -209,7 +357,7 @@ RowStates row_states_against(
   for_each_task(at::divup(q.size(0), kTile), [&](int64_t bi) {
     for (int64_t bj = 0; bj < at::divup(r.size(0), kTile); ++bj) {
       const PairTile<T> tile(block_of(q, bi), q_ids + bi * kTile, block_of(r, bj), r_ids + bj * kTile, logit, false);
-      merge_tile_states(tile, /*by_column=*/false, states.data() + bi * kTile);
+      merge_row_states(tile, states.data() + bi * kTile);
     }
   });
   return states;
@@ -308,22 +456,24 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cpu(
     const PairLogit<T> logit = pair_logit<T>(margin, gamma);
     const at::Tensor g = grad_losses.to(in.q.scalar_type()).contiguous();
     const at::Tensor lse = row_lse.contiguous();
-    std::vector<RowCoefficients<T>> coefficients(batch);
+    RowCoefficients<T> coefficients(batch);
     for (int64_t i = 0; i < batch; ++i) {
       const T lse_positive = lse.data_ptr<T>()[2 * i];
       const T lse_negative = lse.data_ptr<T>()[2 * i + 1];
-      coefficients[i] = {{lse_positive, lse_negative},
-                         static_cast<T>(g.data_ptr<T>()[i] * anchor_row_grad_scale(lse_positive, lse_negative))};
+      coefficients.lse_pos[i] = lse_positive;
+      coefficients.lse_neg[i] = lse_negative;
+      coefficients.factor[i] = g.data_ptr<T>()[i] * anchor_row_grad_scale(lse_positive, lse_negative);
     }
     const int32_t* q_ids = in.q_ids.data_ptr<int32_t>();
-    const RowCoefficients<T>* coef = coefficients.data();
     if (in.self) {
       at::Tensor by_col = at::zeros_like(in.q);
       for_each_symmetric_round(at::divup(batch, kTile), [&](int64_t round, int64_t bi, int64_t bj) {
         const at::Tensor rows = block_of(in.q, bi);
         const at::Tensor cols = block_of(in.q, bj);
+        const auto col_view = coefficients.from(bj * kTile);
         const at::Tensor c = tile_weights<T>(
-            rows, q_ids + bi * kTile, coef + bi * kTile, cols, q_ids + bj * kTile, coef + bj * kTile, logit, round == 0);
+            rows, q_ids + bi * kTile, coefficients.from(bi * kTile), cols, q_ids + bj * kTile, &col_view, logit,
+            round == 0);
         block_of(grad_q, bi).addmm_(c, cols);
         if (round != 0) block_of(by_col, bj).addmm_(c.t(), rows);
       });
@@ -338,16 +488,16 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cpu(
       for_each_task(row_blocks, [&](int64_t bi) {
         for (int64_t bj = 0; bj < col_blocks; ++bj) {
           const at::Tensor w = tile_weights<T>(
-              block_of(in.q, bi), q_ids + bi * kTile, coef + bi * kTile, block_of(in.r, bj), r_ids + bj * kTile,
-              nullptr, logit, false);
+              block_of(in.q, bi), q_ids + bi * kTile, coefficients.from(bi * kTile), block_of(in.r, bj),
+              r_ids + bj * kTile, nullptr, logit, false);
           block_of(grad_q, bi).addmm_(w, block_of(in.r, bj));
         }
       });
       for_each_task(col_blocks, [&](int64_t bj) {
         for (int64_t bi = 0; bi < row_blocks; ++bi) {
           const at::Tensor w = tile_weights<T>(
-              block_of(in.q, bi), q_ids + bi * kTile, coef + bi * kTile, block_of(in.r, bj), r_ids + bj * kTile,
-              nullptr, logit, false);
+              block_of(in.q, bi), q_ids + bi * kTile, coefficients.from(bi * kTile), block_of(in.r, bj),
+              r_ids + bj * kTile, nullptr, logit, false);
           block_of(grad_r, bj).addmm_(w.t(), block_of(in.q, bi));
         }
       });

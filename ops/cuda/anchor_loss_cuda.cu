@@ -6,10 +6,10 @@
 // sets, (B, 4) in acc_t, and a strip merges into it:
 //   row_states_kernel     one CTA per strip row: the row's pairs in the strip.
 //   column_states_kernel  without a reference set, S is symmetric and so is
-//   + merge_columns_kernel  the logit, so strips cover only the columns from
-//                         their first row on (half of S), and the pairs right
-//                         of a strip's diagonal block are also reduced by
-//                         column, for the rows they belong to as (j, i).
+//                         the logit, so strips cover only the columns from
+//                         their first row on (about half of S), and the pairs
+//                         right of a strip's diagonal block are also reduced
+//                         by column, for the rows they belong to as (j, i).
 //   finish_rows_kernel    L_i and (LSE_P(i), LSE_N(i)) from the states.
 // The backward forms the strips again: weights_kernel writes
 //   W_ij = g_i·σ(Z_i)·exp(z_ij - LSE_set(i))·dz/ds   (+ the same for (j, i)
@@ -116,8 +116,12 @@ __global__ void __launch_bounds__(kThreads) row_states_kernel(
   if (threadIdx.x == 0) RowStateRecord<acc_t>{states + 4 * r}.merge(positive, negative);
 }
 
-// Columns [first_col, cols) of a symmetric strip, each reduced over the rows
-// g, g + groups, ... (g = blockIdx.y) into partials[g][c - first_col].
+// Columns [first_col, cols) of a symmetric strip: a CTA takes kColumnsPerCta
+// of them, one per lane, so that a warp reads 32 consecutive entries of a row
+// at a time; its warps split the rows, and warp 0 folds the warps' states in
+// warp order and merges them into states[c - first_col].
+constexpr int kColumnsPerCta = 32;
+
 template <typename acc_t>
 __global__ void __launch_bounds__(kThreads) column_states_kernel(
     const acc_t* __restrict__ s, // (rows, cols)
@@ -127,51 +131,43 @@ __global__ void __launch_bounds__(kThreads) column_states_kernel(
     const int64_t* __restrict__ row_labels, // (rows,)
     const int64_t* __restrict__ col_labels, // (cols,)
     PairLogit<acc_t> logit,
-    acc_t* __restrict__ partials) { // (groups, cols - first_col, 4)
-  const int64_t c = first_col + blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
-  if (c >= cols) return;
-  const int64_t groups = gridDim.y;
-  const int64_t label = col_labels[c];
+    acc_t* __restrict__ states) { // (cols - first_col, 4)
+  __shared__ acc_t folded[kWarps][4][kColumnsPerCta];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int64_t c = first_col + blockIdx.x * static_cast<int64_t>(kColumnsPerCta) + lane;
+  const bool column = c < cols;
+  const int64_t label = column ? col_labels[c] : 0;
   LseState<acc_t> positive;
   LseState<acc_t> negative;
-  for (int64_t r0 = blockIdx.y; r0 < rows; r0 += kLoadsInFlight * groups) {
+  for (int64_t r0 = warp; r0 < rows; r0 += kLoadsInFlight * kWarps) {
     acc_t value[kLoadsInFlight];
     int64_t other[kLoadsInFlight];
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) {
-      const int64_t r = r0 + u * groups;
-      value[u] = r < rows ? s[r * cols + c] : acc_t(0);
+      const int64_t r = r0 + u * kWarps;
+      value[u] = column && r < rows ? s[r * cols + c] : acc_t(0);
       other[u] = r < rows ? row_labels[r] : 0;
     }
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) {
-      add_pair(logit, value[u], other[u] == label, r0 + u * groups >= rows, positive, negative);
+      add_pair(logit, value[u], other[u] == label, !column || r0 + u * kWarps >= rows, positive, negative);
     }
   }
-  acc_t* out = partials + 4 * (blockIdx.y * (cols - first_col) + (c - first_col));
-  out[0] = positive.max;
-  out[1] = positive.sum;
-  out[2] = negative.max;
-  out[3] = negative.sum;
-}
-
-// states[c] merges partials[0..groups)[c], in group order.
-template <typename acc_t>
-__global__ void __launch_bounds__(kThreads) merge_columns_kernel(
-    const acc_t* __restrict__ partials, // (groups, n, 4)
-    int64_t groups,
-    int64_t n,
-    acc_t* __restrict__ states) { // (n, 4)
-  const int64_t c = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
-  if (c >= n) return;
-  LseState<acc_t> positive;
-  LseState<acc_t> negative;
-  for (int64_t g = 0; g < groups; ++g) {
-    const acc_t* p = partials + 4 * (g * n + c);
-    positive.merge(p[0], p[1]);
-    negative.merge(p[2], p[3]);
+  folded[warp][0][lane] = positive.max;
+  folded[warp][1][lane] = positive.sum;
+  folded[warp][2][lane] = negative.max;
+  folded[warp][3][lane] = negative.sum;
+  __syncthreads();
+  if (warp == 0 && column) {
+    LseState<acc_t> p;
+    LseState<acc_t> n;
+    for (int w = 0; w < kWarps; ++w) {
+      p.merge(folded[w][0][lane], folded[w][1][lane]);
+      n.merge(folded[w][2][lane], folded[w][3][lane]);
+    }
+    RowStateRecord<acc_t>{states + 4 * (c - first_col)}.merge(p, n);
   }
-  RowStateRecord<acc_t>{states + 4 * c}.merge(positive, negative);
 }
 
 // L_i and (LSE_P(i), LSE_N(i)) of every row, from its state.
@@ -242,6 +238,18 @@ unsigned blocks_for(int64_t n) {
   return static_cast<unsigned>(std::max<int64_t>((n + kThreads - 1) / kThreads, 1));
 }
 
+// Without a reference set, strips of S start at their first row, so k strips
+// form (1 + 1/k)/2 of S: at least kSymmetricStrips of them, however few rows
+// the budget would allow, keep that near half (56% at 8) while each strip's
+// GEMMs stay large.
+constexpr int64_t kSymmetricStrips = 8;
+
+int64_t max_strip_height(int64_t batch, bool self) {
+  if (!self) return std::numeric_limits<int64_t>::max();
+  const int64_t rows = (batch + kSymmetricStrips - 1) / kSymmetricStrips;
+  return std::max<int64_t>((rows + kStripAlign - 1) / kStripAlign * kStripAlign, kStripAlign);
+}
+
 // The op's inputs as the kernels read them, and the strips of their pairs.
 template <typename scalar_t>
 class AnchorPasses {
@@ -253,7 +261,7 @@ class AnchorPasses {
         r_(r),
         self_(self),
         logit_{static_cast<acc_t>(margin), static_cast<acc_t>(gamma)},
-        strips_(plan_strips(q.size(), r.size(), /*symmetric=*/self, sizeof(acc_t))),
+        strips_(plan_strips(q.size(), r.size(), /*symmetric=*/self, sizeof(acc_t), max_strip_height(q.size(), self))),
         sms_(multiprocessors()) {
     const int64_t largest = strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols;
     workspace_ = at::empty({largest}, q.features.options().dtype(dtype_of<acc_t>()));
@@ -275,16 +283,10 @@ class AnchorPasses {
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       const int64_t beyond = strip.cols - strip.rows; // columns right of the diagonal block
       if (self_ && beyond > 0) {
-        // Enough threads to stream the strip, a fixed function of shapes and GPU.
-        const int64_t groups =
-            std::clamp<int64_t>((64 * 32 * sms_ + beyond - 1) / beyond, 1, std::min<int64_t>(strip.rows, 65535));
-        at::Tensor partials = at::empty({groups, beyond, 4}, workspace_.options());
-        column_states_kernel<acc_t><<<dim3(blocks_for(beyond), static_cast<unsigned>(groups)), kThreads, 0, stream>>>(
+        const auto blocks = static_cast<unsigned>((beyond + kColumnsPerCta - 1) / kColumnsPerCta);
+        column_states_kernel<acc_t><<<blocks, kThreads, 0, stream>>>(
             s.data_ptr<acc_t>(), strip.rows, strip.cols, strip.rows, row_labels(strip), col_labels(strip), logit_,
-            partials.data_ptr<acc_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        merge_columns_kernel<acc_t><<<blocks_for(beyond), kThreads, 0, stream>>>(
-            partials.data_ptr<acc_t>(), groups, beyond, state + 4 * (strip.row0 + strip.rows));
+            state + 4 * (strip.row0 + strip.rows));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     }

@@ -9,6 +9,7 @@
 #include <ATen/ops/mm.h>
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 namespace circle_loss {
@@ -32,8 +33,15 @@ struct Strip {
 // The strips covering rows × cols. Symmetric (rows and cols one tensor): each
 // strip starts its columns at its first row, so S is covered on and above the
 // diagonal; the first strip is the widest.
-inline std::vector<Strip> plan_strips(int64_t n_rows, int64_t n_cols, bool symmetric, size_t element_bytes) {
-  const int64_t budget_rows = kStripBytes / static_cast<int64_t>(element_bytes) / std::max<int64_t>(n_cols, 1);
+// At most max_height rows a strip (default: no limit but the budget).
+inline std::vector<Strip> plan_strips(
+    int64_t n_rows,
+    int64_t n_cols,
+    bool symmetric,
+    size_t element_bytes,
+    int64_t max_height = std::numeric_limits<int64_t>::max()) {
+  const int64_t budget_rows = std::min(
+      max_height, kStripBytes / static_cast<int64_t>(element_bytes) / std::max<int64_t>(n_cols, 1));
   const int64_t height = budget_rows >= n_rows
       ? std::max<int64_t>(n_rows, 1)
       : std::max(kStripAlign, budget_rows / kStripAlign * kStripAlign);

@@ -1,0 +1,250 @@
+"""Side-by-side benchmark of the per-anchor form: torch.ops.circle.anchor_loss
+against circle::loss on the same inputs, and the drop-in
+circle_loss.pml.CircleLoss against pytorch-metric-learning's CircleLoss,
+forward and forward+backward, with extra peak memory and the GEMM Q·Rᵀ of the
+same size as the yardstick.
+
+    python bench/bench_anchor.py                       # CPU, or CUDA when present
+    python bench/bench_anchor.py --device cuda --sizes 256 4096 16384 --refs 256:65536 --classes 10 100
+
+Each --refs entry B:M is B queries against M references (anchor_loss with a
+reference set; PML with ref_emb). Prints a Markdown table and writes it with
+the raw rows (JSON) under --out. Timings are torch.utils.benchmark medians;
+nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+import circle_loss  # noqa: E402
+from bench import _status_bytes, cuda_extra_peak_bytes, environment, is_out_of_memory, median_seconds  # noqa: E402
+
+MARGIN, GAMMA = circle_loss.ANCHOR_DEFAULT_MARGIN, circle_loss.ANCHOR_DEFAULT_GAMMA
+
+
+def methods():
+    """name -> fn(x, labels, ref, ref_labels) -> scalar loss. x and ref are raw
+    embeddings; every method normalises them as PML's CosineSimilarity does."""
+    criterion = circle_loss.AnchorCircleLoss(MARGIN, GAMMA)
+
+    def anchor(x, y, r, ry):
+        return criterion(F.normalize(x, dim=1), y, None if r is None else F.normalize(r, dim=1), ry)
+
+    def global_op(x, y, r, ry):
+        return torch.ops.circle.loss(F.normalize(x, dim=1), y, MARGIN, GAMMA)
+
+    found = {"anchor_loss": anchor, "circle::loss": global_op}
+    try:
+        from pytorch_metric_learning import losses
+
+        from circle_loss import pml as drop_in
+
+        def call(loss_fn):
+            return lambda x, y, r, ry: loss_fn(x, y) if r is None else loss_fn(x, y, ref_emb=r, ref_labels=ry)
+
+        found["drop-in"] = call(drop_in.CircleLoss(m=MARGIN, gamma=GAMMA))
+        found["PML"] = call(losses.CircleLoss(m=MARGIN, gamma=GAMMA))
+    except ImportError:
+        print("pytorch-metric-learning not installed: drop-in and PML not run")
+    return found
+
+
+def make_inputs(batch, refs, dim, dtype, device, classes):
+    x = torch.randn(batch, dim, device=device, dtype=dtype)
+    y = torch.randint(0, classes, (batch,), device=device)
+    if refs is None:
+        return x, y, None, None
+    return x, y, torch.randn(refs, dim, device=device, dtype=dtype), torch.randint(0, classes, (refs,), device=device)
+
+
+def step_of(fn, mode):
+    if mode == "fwd":
+        def forward(x, y, r, ry):
+            with torch.no_grad():
+                return fn(x, y, r, ry)
+        return forward
+
+    def forward_backward(x, y, r, ry):
+        leaves = [t for t in (x, r) if t is not None]
+        return torch.autograd.grad(fn(x, y, r, ry), leaves)
+    return forward_backward
+
+
+def cpu_extra_peak_bytes(method, mode, batch, refs, dim, dtype, classes) -> int:
+    """Peak resident memory of one step beyond the inputs, in a fresh process."""
+    cmd = [sys.executable, __file__, "--cpu-memory-probe", method, mode, str(batch), str(refs or 0), str(dim),
+           dtype, str(classes)]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    return int(out.stdout.split()[-1]) if out.returncode == 0 else -1
+
+
+def cpu_memory_probe(method, mode, batch, refs, dim, dtype, classes) -> None:
+    step = step_of(methods()[method], mode)
+    x, y, r, ry = make_inputs(batch, refs or None, dim, getattr(torch, dtype), "cpu", classes)
+    x.requires_grad_(mode == "fwd+bwd")
+    if r is not None:
+        r.requires_grad_(mode == "fwd+bwd")
+    step(x, y, r, ry)  # first-use allocations
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _status_bytes("VmRSS")
+    step(x, y, r, ry)
+    print(_status_bytes("VmHWM") - base)
+
+
+def run(args) -> list[dict]:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    found = methods()
+    shapes = [(b, None) for b in args.sizes] + [tuple(int(v) for v in spec.split(":")) for spec in args.refs]
+    rows = []
+    for classes in args.classes:
+        for batch, refs in shapes:
+            x, y, r, ry = make_inputs(batch, refs, args.dim, dtype, device, classes)
+            leaves = (x.clone().requires_grad_(), y, None if r is None else r.clone().requires_grad_(), ry)
+            for name, fn in found.items():
+                if name == "circle::loss" and refs is not None:
+                    continue  # the global op has no reference set
+                if name == "PML" and batch * (refs or batch) > args.max_pml_pairs:
+                    rows.append(dict(method=name, B=batch, M=refs, classes=classes, mode="fwd+bwd",
+                                     skipped="--max-pml-pairs"))
+                    continue
+                for mode in ("fwd", "fwd+bwd"):
+                    row = dict(method=name, B=batch, M=refs, classes=classes, D=args.dim, dtype=args.dtype, mode=mode)
+                    step = step_of(fn, mode)
+                    inputs = leaves if mode == "fwd+bwd" else (x, y, r, ry)
+                    call = (lambda s=step, i=inputs: s(*i))
+                    try:
+                        call()
+                        row["seconds"] = median_seconds(call, args.min_run_time)
+                        if device.type == "cuda":
+                            row["peak_bytes"] = cuda_extra_peak_bytes(call)
+                        elif not args.no_cpu_memory:
+                            row["peak_bytes"] = cpu_extra_peak_bytes(name, mode, batch, refs, args.dim, args.dtype,
+                                                                     classes)
+                    except Exception as error:
+                        if not is_out_of_memory(error):
+                            raise
+                        row["skipped"] = "out of memory"
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                    rows.append(row)
+                    print(format_row(row), flush=True)
+            gemm = (lambda a=x, b=(x if r is None else r): a @ b.T)
+            try:
+                gemm()
+                rows.append(dict(method="GEMM Q·Rᵀ", B=batch, M=refs, classes=classes, mode="fwd",
+                                 seconds=median_seconds(gemm, args.min_run_time)))
+                print(format_row(rows[-1]), flush=True)
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+            del x, r, leaves
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def format_row(row) -> str:
+    shape = f"B={row['B']}" + (f" M={row['M']}" if row.get("M") else "")
+    if "skipped" in row:
+        return f"{row['method']:>14} {shape:<16} c={row['classes']:<6} {row['mode']:<8} skipped: {row['skipped']}"
+    mem = row.get("peak_bytes")
+    mem_s = "" if mem is None else f"  extra peak {mem / 2**20:10.1f} MiB"
+    return f"{row['method']:>14} {shape:<16} c={row['classes']:<6} {row['mode']:<8} {row['seconds'] * 1e3:10.3f} ms{mem_s}"
+
+
+def table(rows) -> str:
+    by_key = {(r["method"], r["B"], r.get("M"), r["classes"], r["mode"]): r for r in rows}
+
+    def t(r):
+        if r is None:
+            return "—"
+        if "skipped" in r:
+            return r["skipped"]
+        s = r["seconds"]
+        return f"{s * 1e6:.0f} µs" if s < 1e-3 else f"{s * 1e3:.2f} ms"
+
+    def mem(r):
+        if r is None or r.get("peak_bytes") in (None, -1):
+            return "—"
+        return f"{r['peak_bytes'] / 2**20:.1f} MiB"
+
+    def ratio(num, den):
+        if not num or not den or "seconds" not in num or "seconds" not in den:
+            return "—"
+        return f"{num['seconds'] / den['seconds']:.2f}×"
+
+    lines = [
+        "| B | M | classes | mode | anchor_loss | circle::loss | anchor / circle::loss | anchor in GEMMs | "
+        "drop-in | PML | PML / drop-in | anchor extra peak | PML extra peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted({(r["B"], r.get("M") or 0, r["classes"]) for r in rows if r["method"] == "anchor_loss"})
+    for batch, refs, classes in keys:
+        m = refs or None
+        gemm = by_key.get(("GEMM Q·Rᵀ", batch, m, classes, "fwd"))
+        for mode in ("fwd", "fwd+bwd"):
+            get = lambda name: by_key.get((name, batch, m, classes, mode))  # noqa: E731
+            anchor, glob, drop, pml = get("anchor_loss"), get("circle::loss"), get("drop-in"), get("PML")
+            if pml is None:
+                pml = by_key.get(("PML", batch, m, classes, "fwd+bwd")) if mode == "fwd+bwd" else None
+            lines.append(
+                f"| {batch} | {refs or '—'} | {classes} | {mode} | {t(anchor)} | {t(glob)} | {ratio(anchor, glob)} | "
+                f"{ratio(anchor, gemm).rstrip('×')} | {t(drop)} | {t(pml)} | {ratio(pml, drop)} | {mem(anchor)} | "
+                f"{mem(pml)} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--sizes", type=int, nargs="*")
+    parser.add_argument("--refs", nargs="*", help="B:M shapes with a reference set")
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
+    parser.add_argument("--classes", type=int, nargs="+", default=[100])
+    parser.add_argument("--max-pml-pairs", type=int, default=16384 * 16384,
+                        help="largest B·M at which PML's B×M matrices are attempted")
+    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
+    parser.add_argument("--no-cpu-memory", action="store_true", help="skip the fresh-process memory probes")
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
+    parser.add_argument("--cpu-memory-probe", nargs=7, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.cpu_memory_probe:
+        method, mode, batch, refs, dim, dtype, classes = args.cpu_memory_probe
+        cpu_memory_probe(method, mode, int(batch), int(refs), int(dim), dtype, int(classes))
+        return
+    cuda = args.device == "cuda"
+    if args.sizes is None:
+        args.sizes = [256, 4096, 16384] if cuda else [256, 1024, 2048]
+    if args.refs is None:
+        args.refs = ["256:65536"]
+    torch.manual_seed(0)
+    rows = run(args)
+    env = environment(args)
+    md = table(rows)
+    print()
+    print(" ".join(f"{k}={v}" for k, v in env.items()))
+    print(md)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"bench_anchor_{args.device}_{args.dtype}"
+    stem.with_suffix(".json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
+    stem.with_suffix(".md").write_text(" ".join(f"{k}={v}" for k, v in env.items()) + "\n\n" + md + "\n")
+    print(f"\nwritten: {stem}.{{json,md}}")
+
+
+if __name__ == "__main__":
+    main()

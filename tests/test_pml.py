@@ -1,0 +1,168 @@
+"""circle_loss.pml.CircleLoss against pytorch-metric-learning's CircleLoss
+itself: the same loss and gradients in every way PML users call it."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pml = pytest.importorskip("pytorch_metric_learning")
+from pytorch_metric_learning import distances, losses, miners, reducers, regularizers  # noqa: E402
+
+import circle_loss.pml  # noqa: E402
+from conftest import make_inputs  # noqa: E402
+from reference import relative_error  # noqa: E402
+
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}
+
+
+def compare(make_loss, call, inputs, dtype, fused=True):
+    """Runs call(loss, *inputs) with PML's class and with the drop-in, on
+    copies of inputs that require grad, and compares results and gradients."""
+    results = []
+    for cls in (losses.CircleLoss, circle_loss.pml.CircleLoss):
+        loss_fn = make_loss(cls)
+        leaves = [x.detach().clone().requires_grad_() if x.is_floating_point() else x for x in inputs]
+        out = call(loss_fn, *leaves)
+        value = out if torch.is_tensor(out) else out["loss"]["losses"]
+        (value * torch.linspace(0.5, 1.5, value.numel(), dtype=value.dtype, device=value.device)
+         .reshape(value.shape)).sum().backward()
+        results.append((value.detach(), [x.grad for x in leaves if x.is_floating_point()]))
+    (expected, expected_grads), (got, got_grads) = results
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert relative_error(got, expected) <= TOLERANCE[dtype], (got, expected)
+    for g, e in zip(got_grads, expected_grads):
+        assert relative_error(g, e) <= TOLERANCE[dtype] * 10
+
+
+def unnormalised(batch, dim, classes, device, dtype):
+    features, labels = make_inputs(batch, dim, classes, device, dtype, normalize=False)
+    return features * 3.0, labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("batch,classes", [(2, 2), (3, 2), (64, 4), (300, 10), (257, 2)])
+def test_labels_only(device, dtype, batch, classes):
+    x, y = unnormalised(batch, 16, classes, device, dtype)
+    compare(lambda cls: cls(), lambda f, x, y: f(x, y), [x, y], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("m,gamma", [(0.4, 80), (0.25, 256), (0.1, 32)])
+def test_with_ref_emb(device, dtype, m, gamma):
+    x, y = unnormalised(90, 16, 5, device, dtype)
+    r, ry = unnormalised(200, 16, 5, device, dtype)
+    compare(lambda cls: cls(m=m, gamma=gamma), lambda f, x, r, y, ry: f(x, y, ref_emb=r, ref_labels=ry),
+            [x, r, y, ry], dtype)
+    # The same tensor as its own reference, with labels that are not `labels`:
+    # PML keeps the pairs (i, i) then.
+    compare(lambda cls: cls(m=m, gamma=gamma), lambda f, x, y: f(x, y, ref_emb=x, ref_labels=y.clone()), [x, y], dtype)
+    # ref_emb given with ref_labels=labels: PML leaves out (i, i) between the two sets.
+    r2, _ = unnormalised(90, 16, 5, device, dtype)
+    compare(lambda cls: cls(), lambda f, x, r, y: f(x, y, ref_emb=r, ref_labels=y), [x, r2, y], dtype)
+
+
+@pytest.mark.parametrize(
+    "make_reducer",
+    [
+        reducers.AvgNonZeroReducer,
+        reducers.MeanReducer,
+        reducers.SumReducer,
+        lambda: reducers.ThresholdReducer(low=5.0, high=200.0),
+        lambda: reducers.ClassWeightedReducer(torch.linspace(0.5, 2.0, 6)),
+        reducers.PerAnchorReducer,
+        reducers.DoNothingReducer,
+    ],
+)
+def test_reducers(device, make_reducer):
+    x, y = unnormalised(120, 16, 6, device, torch.float64)
+    compare(lambda cls: cls(reducer=make_reducer()), lambda f, x, y: f(x, y), [x, y], torch.float64)
+
+
+def test_miner_goes_through_pml_code(device):
+    x, y = unnormalised(100, 16, 5, device, torch.float64)
+    miner = miners.MultiSimilarityMiner(epsilon=0.1)
+    compare(lambda cls: cls(), lambda f, x, y: f(x, y, miner(x, y)), [x, y], torch.float64)
+
+
+def test_embedding_regularizer_and_stats(device):
+    x, y = unnormalised(80, 16, 4, device, torch.float64)
+    compare(lambda cls: cls(embedding_regularizer=regularizers.LpRegularizer()), lambda f, x, y: f(x, y), [x, y],
+            torch.float64)
+    for cls in (losses.CircleLoss, circle_loss.pml.CircleLoss):
+        loss_fn = cls(distance=distances.CosineSimilarity(collect_stats=True))
+        loss_fn(x, y)
+        assert loss_fn.distance.initial_avg_query_norm == pytest.approx(x.norm(dim=1).mean().item())
+
+
+def test_normalize_embeddings_off_is_honoured(device):
+    x, y = make_inputs(60, 16, 4, device, torch.float64, normalize=False)
+    x = x * 0.2  # small dot products, so the unnormalised loss stays finite
+
+    def make(cls):
+        loss_fn = cls()
+        loss_fn.distance.normalize_embeddings = False
+        return loss_fn
+
+    compare(make, lambda f, x, y: f(x, y), [x, y], torch.float64)
+
+
+def test_other_distances_go_through_pml_code(device):
+    x, y = unnormalised(50, 8, 3, device, torch.float64)
+    compare(lambda cls: cls(distance=distances.CosineSimilarity(power=2)), lambda f, x, y: f(x, y), [x, y],
+            torch.float64)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_inside_self_supervised_loss(device, symmetric):
+    x, _ = unnormalised(64, 16, 1, device, torch.float64)
+    augmented = x + 0.3 * torch.randn_like(x)
+    compare(lambda cls: losses.SelfSupervisedLoss(cls(), symmetric=symmetric), lambda f, a, b: f(a, b),
+            [x, augmented], torch.float64)
+
+
+def test_inside_cross_batch_memory(device):
+    pml_memory = losses.CrossBatchMemory(losses.CircleLoss(), embedding_size=16, memory_size=100).to(device)
+    our_memory = losses.CrossBatchMemory(circle_loss.pml.CircleLoss(), embedding_size=16, memory_size=100).to(device)
+    for step in range(4):  # the bank fills and wraps round
+        x, y = unnormalised(40, 16, 5, device, torch.float32)
+        results = []
+        for memory in (pml_memory, our_memory):
+            leaf = x.clone().requires_grad_()
+            loss = memory(leaf, y)
+            loss.backward()
+            results.append((loss.detach(), leaf.grad))
+        assert relative_error(results[1][0], results[0][0]) <= TOLERANCE[torch.float32]
+        assert relative_error(results[1][1], results[0][1]) <= 10 * TOLERANCE[torch.float32]
+
+
+def test_fused_path_is_taken_where_the_op_is_exact():
+    loss_fn = circle_loss.pml.CircleLoss()
+    x, y = make_inputs(10, 4, 2, "cpu")
+    r, ry = make_inputs(12, 4, 2, "cpu")
+    assert loss_fn._fused(x, y, None, x, y)
+    assert loss_fn._fused(x, y, None, r, ry)
+    assert not loss_fn._fused(x, y, None, r[:10], y)  # (i, i) across two sets
+    assert not loss_fn._fused(x, y, (y, y, y, y), x, y)  # a miner's pairs
+    x2, y2 = x[:2], y[:2]
+    assert not loss_fn._fused(x2, y2, None, x2, y2)  # PML's zero for <= 2 pairs
+
+
+def test_class_name_and_pickling():
+    loss_fn = circle_loss.pml.CircleLoss(m=0.3, gamma=64)
+    assert type(loss_fn).__name__ == "CircleLoss"
+    assert isinstance(loss_fn, losses.CircleLoss)
+    clone = copy.deepcopy(loss_fn)
+    assert clone.m == 0.3 and clone.gamma == 64
+
+
+def test_import_circle_loss_does_not_need_pml():
+    code = (
+        "import sys; sys.modules['pytorch_metric_learning'] = None\n"
+        "import circle_loss\n"
+        "try:\n    import circle_loss.pml\nexcept ImportError:\n    print('pml optional')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "pml optional", out.stderr
