@@ -141,6 +141,9 @@ def run(args) -> list[dict]:
                             torch.cuda.empty_cache()
                     rows.append(row)
                     print(format_row(row), flush=True)
+            if device.type == "cuda":
+                rows.append(op_alone_peak(batch, refs, classes, x, y, r, ry, args))
+                print(format_row(rows[-1]), flush=True)
             gemm = (lambda a=x, b=(x if r is None else r): a @ b.T)
             try:
                 gemm()
@@ -154,6 +157,18 @@ def run(args) -> list[dict]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
+
+
+def op_alone_peak(batch, refs, classes, x, y, r, ry, args) -> dict:
+    """Extra peak memory of the op's forward+backward alone, on inputs already
+    normalised: what the op itself holds beyond its inputs, gradients included."""
+    q = F.normalize(x, dim=1).requires_grad_()
+    ref = None if r is None else F.normalize(r, dim=1).requires_grad_()
+    leaves = [q] if ref is None else [q, ref]
+    step = lambda: torch.autograd.grad(torch.ops.circle.anchor_loss(q, y, ref, ry).sum(), leaves)  # noqa: E731
+    step()
+    return dict(method="anchor_loss op alone", B=batch, M=refs, classes=classes, D=args.dim, dtype=args.dtype,
+                mode="fwd+bwd", seconds=median_seconds(step, args.min_run_time), peak_bytes=cuda_extra_peak_bytes(step))
 
 
 def format_row(row) -> str:
@@ -205,6 +220,12 @@ def table(rows) -> str:
                 f"{ratio(anchor, gemm).rstrip('×')} | {t(drop)} | {t(pml)} | {ratio(pml, drop)} | {mem(anchor)} | "
                 f"{mem(pml)} |"
             )
+    alone = [r for r in rows if r["method"] == "anchor_loss op alone"]
+    if alone:
+        lines += ["", "| anchor_loss alone, fwd+bwd on normalised inputs | classes | time | extra peak (gradients included) |",
+                  "|---|---|---|---|"]
+        lines += [f"| B = {r['B']}" + (f", M = {r['M']}" if r.get("M") else "") + f" | {r['classes']} | {t(r)} | {mem(r)} |"
+                  for r in alone]
     return "\n".join(lines)
 
 

@@ -6,6 +6,7 @@
 #   tests-ops      the suite without tests/test_examples.py; examples: that file alone
 #   sanitize       compute-sanitizer memcheck and racecheck over the CUDA tests
 #   bench          bench/bench.py (fp32 sizes, then bf16/fp16 and TF32-allowed fp32 at B = 16384)
+#   bench-anchor   bench/bench_anchor.py (the per-anchor op, the drop-in and PML)
 #   distributed    with 2+ GPUs: the NCCL test and bench/bench_distributed.py
 # Logs are packed into $OUT/gpu_logs.tgz (or ./gpu_logs).
 #   bash scripts/gpu_check.sh [step ...]
@@ -68,6 +69,7 @@ for step in "${steps[@]}"; do
         fi
         compute-sanitizer --tool "$tool" "${filter[@]}" --error-exitcode 9 --target-processes all \
           python3 -m pytest -q -p no:cacheprovider -x tests/test_correctness.py tests/test_distributed.py tests/test_cuda.py \
+          tests/test_anchor_loss.py \
           -k "cuda and ($tests) or several_strips or small_batch" \
           > "$out/sanitizer_$tool.log" 2>&1
         rc=$?
@@ -81,6 +83,9 @@ for step in "${steps[@]}"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" bench/bench_distributed.py \
         --per-rank 4096 16384 --global 32768 --out "$out" 2>&1 | tee "$out/bench_distributed.log" | tail -16 ;;
+    bench-anchor)
+      python3 bench/bench_anchor.py --device cuda --sizes 256 4096 16384 65536 --refs 256:65536 1024:262144 \
+        --classes 10 100 --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_anchor.log" | tail -20 ;;
     bench)
       python3 bench/bench.py --device cuda --sizes 256 4096 16384 65536 262144 --max-reference-batch 16384 \
         --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_fp32.log" | tail -24

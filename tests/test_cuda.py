@@ -199,26 +199,50 @@ def test_anchor_loss_over_several_strips(dtype, case):
         assert_anchor_matches_reference(features, labels, ref, ref_labels)
 
 
-@pytest.mark.parametrize("case", ["small", "self strips", "reference strips"])
-def test_anchor_loss_graph_capture_and_determinism(case):
-    batch, refs = {"small": (200, None), "self strips": (4500, None), "reference strips": (300, 140_000)}[case]
+ANCHOR_CASES = {"small": (200, None), "self strips": (4500, None), "reference strips": (300, 140_000)}
+
+
+@pytest.mark.parametrize("case", list(ANCHOR_CASES))
+def test_anchor_loss_graph_capture_and_replay(case):
+    batch, refs = ANCHOR_CASES[case]
+    x, y = make_inputs(batch, 16, 7, "cuda")
+    r, ry = make_inputs(refs, 16, 7, "cuda") if refs else (None, None)
+    x.requires_grad_()
+    if r is not None:
+        r.requires_grad_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            anchor_loss_and_grads(x, y, r, ry)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # raises if anything synchronises with the host
+        captured = anchor_loss_and_grads(x, y, r, ry)
+    for _ in range(2):  # fresh data through the same graph
+        with torch.no_grad():
+            x.copy_(make_inputs(batch, 16, 7, "cuda")[0])
+        y.copy_(make_inputs(batch, 16, 7, "cuda")[1])
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = anchor_loss_and_grads(x, y, r, ry)
+        assert all(torch.equal(a, b) for a, b in zip(captured, eager))
+
+
+@pytest.mark.parametrize("case", list(ANCHOR_CASES))
+def test_anchor_loss_bitwise_deterministic_across_streams(case):
+    batch, refs = ANCHOR_CASES[case]
     x, y = make_inputs(batch, 16, 7, "cuda")
     r, ry = make_inputs(refs, 16, 7, "cuda") if refs else (None, None)
     x.requires_grad_()
     if r is not None:
         r.requires_grad_()
     expected = anchor_loss_and_grads(x, y, r, ry)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            again = anchor_loss_and_grads(x, y, r, ry)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(again, expected))  # bitwise, on another stream
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # raises if anything synchronises with the host
-        captured = anchor_loss_and_grads(x, y, r, ry)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(captured, expected))
+    for _ in range(3):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            got = anchor_loss_and_grads(x, y, r, ry)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))

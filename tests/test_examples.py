@@ -32,6 +32,16 @@ def test_train_digits_learns(tmp_path):
     assert (tmp_path / "digits.png").stat().st_size > 10_000
 
 
+def test_train_digits_with_a_memory_bank_learns():
+    pytest.importorskip("pytorch_metric_learning")
+    out = run([sys.executable, "examples/train_digits_memory.py"])
+    before, after = map(float, re.fullmatch(r"recall@1 before ([0-9.]+) after ([0-9.]+)",
+                                            out.strip().splitlines()[-1]).groups())
+    assert after >= before + 0.05 and after >= 0.95, out
+    map_before, map_after = map(float, re.search(r"MAP@R before ([0-9.]+) after ([0-9.]+)", out).groups())
+    assert map_after >= map_before + 0.2
+
+
 def test_train_digits_compiled_step(tmp_path):
     out = run([sys.executable, "examples/train_digits.py", "--compile", "--epochs", "2", "--out", str(tmp_path / "d.png")])
     assert out.strip().splitlines()[-1].startswith("recall@1 before")
