@@ -16,7 +16,7 @@
 
 namespace circle_loss {
 
-// Rejects anything outside SPEC.md's input contract with an error naming the
+// Rejects anything outside the input contract (docs/math.md, "Inputs") with an error naming the
 // argument. Every kernel calls it, the Meta kernel included, so eager calls and
 // traced graphs (fake tensors, symbolic sizes) refuse the same inputs alike.
 //   features: (B, D) float32/float64/float16/bfloat16
@@ -73,7 +73,7 @@ struct NoAutocast {
 };
 
 // The logit of one ordered pair and its slope dz/ds with alpha detached
-// (SPEC.md "Definition" and "Gradient"). Written once, inlined into the CPU
+// (docs/math.md, "Inputs"). Written once, inlined into the CPU
 // loops and the CUDA epilogues alike; both sets are computed and one is
 // selected, with no branch, so that the loops around it vectorise.
 template <typename T>

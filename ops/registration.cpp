@@ -39,7 +39,7 @@ TORCH_LIBRARY(circle, m) {
   //   partials: (n, 4) -> (4,): (LSE_P, LSE_N, loss, 2·sigmoid(LSE_P + LSE_N))
   m.def("_lse_finish(Tensor partials) -> Tensor");
   //   -> (R, D) float32 (float64 for float64 rows): Σ_j G_ij cols_j, with G
-  //   as in SPEC.md "Gradient" (2σ(Z) folded in) from scalars = _lse_finish(...)
+  //   as in docs/math.md, "The global form" (2σ(Z) folded in) from scalars = _lse_finish(...)
   m.def(
       "_block_grad(Tensor rows, Tensor row_labels, Tensor cols, Tensor col_labels, Tensor scalars, float margin, float gamma) -> Tensor");
 }

@@ -147,8 +147,8 @@ std::array<LseAccumulator, 2> lse_over_tiles(
   return total;
 }
 
-// The tile G = grad_scale · exp(z - LSE_set) · c of dloss/dS (SPEC.md,
-// "Gradient", with the factor 2 of 2 G F folded into grad_scale).
+// The tile G = grad_scale · exp(z - LSE_set) · c of dloss/dS (docs/math.md,
+// "The global form", with the factor 2 of 2 G F folded into grad_scale).
 template <typename T>
 at::Tensor tile_gradient_weights(
     const at::Tensor& rows, // (R, D)
@@ -195,7 +195,7 @@ at::Tensor symmetric_gradient(
   const int64_t batch = features.size(0);
   at::Tensor by_row = at::zeros_like(features);
   if (scalars.grad_scale == 0.0) {
-    return by_row; // no negative pair (SPEC.md): loss 0, gradient 0
+    return by_row; // no negative pair (docs/math.md, "Numerical policy"): loss 0, gradient 0
   }
   at::Tensor by_col = at::zeros_like(features);
   const int64_t blocks = at::divup(batch, kTile);

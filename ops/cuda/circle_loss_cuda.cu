@@ -15,14 +15,14 @@
 //   finalize_kernel       one CTA folds every CTA's partial, in order, into
 //                         the LSEs, the loss and 2σ(Z).
 //   strip_weights_kernel  turns a strip of S into gradient weights
-//                         W = 2σ(Z)·exp(z - LSE)·c (SPEC.md, "Gradient").
+//                         W = 2σ(Z)·exp(z - LSE)·c (docs/math.md, "The global form").
 // The gradient of a strip's rows is then W·F_[r0, B), and the rows right of
 // the strip's diagonal block get their share as Wᵀ·F_strip.
 //
 // With one strip (B ≤ 4 096 in float32) the gradient pass reuses the S the
 // loss pass left. With several, S is formed once, not once per pass: the
 // negative pairs' weights are taken against a running maximum of their logits
-// (online rescaling, SPEC.md "Gradient"; running_max_kernel, rescale_kernel)
+// (docs/math.md, "Online rescaling"; running_max_kernel, rescale_kernel)
 // while the loss's LSEs are still being summed, and the positive pairs, a
 // class's worth per row, are done afterwards within their classes with the
 // exact LSE_P (positive_band_kernel over the rows sorted by label).
@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kThreads) strip_lse_kernel(
   }
 }
 
-// Gradient weights for every entry of the strip (SPEC.md, "Gradient"):
+// Gradient weights for every entry of the strip (docs/math.md, "The global form"):
 //   negative_max null: W = 2σ(Z)·exp(z - LSE of its set)·dz/ds, the factor 2
 //                      of dloss/dF = 2 G F included;
 //   otherwise:         W = exp(z - *negative_max)·dz/ds for negative pairs

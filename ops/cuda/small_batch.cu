@@ -15,8 +15,8 @@
 //                            folds every partial into the two LSEs (each CTA
 //                            the same way, in a fixed order, so all agree),
 //                            turns E into the weights
-//                            W_ij = 2σ(Z)·exp(m − LSE)·E_ij (SPEC.md,
-//                            "Gradient"; one factor per CTA and set, no exp
+//                            W_ij = 2σ(Z)·exp(m − LSE)·E_ij (docs/math.md,
+//                            "The global form"; one factor per CTA and set, no exp
 //                            per pair) and multiplies them with F; one more
 //                            CTA folds the loss. It is launched as a
 //                            programmatic dependent of the first kernel: its

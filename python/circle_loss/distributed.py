@@ -7,7 +7,7 @@ on the concatenated batch. gloo (CPU) and NCCL (CUDA) both work; ranks may
 hold different numbers of rows, zero included.
 
 How: the loss depends on all pairs only through two log-sum-exps, and the
-gradient of row i is 2·Σ_j G_ij f_j (SPEC.md). Feature blocks travel round a
+gradient of row i is 2·Σ_j G_ij f_j (docs/math.md). Feature blocks travel round a
 ring twice (point-to-point, each step overlapped with the computation on the
 block before), so no rank ever holds more than two blocks nor any
 B_global × B_global matrix:
