@@ -34,7 +34,7 @@ MARGIN, GAMMA = circle_loss.DEFAULT_MARGIN, circle_loss.DEFAULT_GAMMA
 
 
 def eager_reference(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """What users write today (SPEC.md): B×B similarities, boolean indexing."""
+    """What users write today (docs/math.md): B×B similarities, boolean indexing."""
     s = features @ features.T
     positive = labels[:, None] == labels[None, :]
     sp, sn = s[positive], s[~positive]
@@ -212,6 +212,22 @@ def _format_row(row) -> str:
     return f"{row['method']:>24} B={row['B']:<7} {row['mode']:<8} {row['seconds'] * 1e3:10.3f} ms{mem_s}"
 
 
+def format_time(r) -> str:
+    """A row's median time for a table: µs below a millisecond."""
+    if r is None:
+        return "—"
+    if "skipped" in r:
+        return r["skipped"]
+    s = r["seconds"]
+    return f"{s * 1e6:.0f} µs" if s < 1e-3 else f"{s * 1e3:.2f} ms"
+
+
+def format_memory(r) -> str:
+    if r is None or r.get("peak_bytes") is None or r["peak_bytes"] < 0:
+        return "—"
+    return f"{r['peak_bytes'] / 2**20:.1f} MiB"
+
+
 def table(rows) -> str:
     """Markdown table: one line per (B, mode), op vs eager vs compile."""
     by_key = {(r["method"], r["B"], r["mode"]): r for r in rows}
@@ -219,19 +235,6 @@ def table(rows) -> str:
         "| B | mode | op | eager | compile | op speed-up vs eager | vs compile | op extra peak | eager extra peak |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-
-    def fmt_time(r):
-        if r is None:
-            return "—"
-        if "skipped" in r:
-            return r["skipped"]
-        s = r["seconds"]
-        return f"{s * 1e6:.0f} µs" if s < 1e-3 else f"{s * 1e3:.2f} ms"
-
-    def fmt_mem(r):
-        if r is None or r.get("peak_bytes") is None or r["peak_bytes"] < 0:
-            return "—"
-        return f"{r['peak_bytes'] / 2**20:.1f} MiB"
 
     def ratio(a, b):
         if not a or not b or "seconds" not in a or "seconds" not in b:
@@ -242,13 +245,13 @@ def table(rows) -> str:
         for mode in ("fwd", "fwd+bwd"):
             op, eager, comp = (by_key.get((m, batch, mode)) for m in ("op", "eager", "compile"))
             lines.append(
-                f"| {batch} | {mode} | {fmt_time(op)} | {fmt_time(eager)} | {fmt_time(comp)} | "
-                f"{ratio(op, eager)} | {ratio(op, comp)} | {fmt_mem(op)} | {fmt_mem(eager)} |"
+                f"| {batch} | {mode} | {format_time(op)} | {format_time(eager)} | {format_time(comp)} | "
+                f"{ratio(op, eager)} | {ratio(op, comp)} | {format_memory(op)} | {format_memory(eager)} |"
             )
     extras = [r for r in rows if r["method"] not in ("op", "eager", "compile")]
     if extras:
         lines += ["", "| yardstick | B | time |", "|---|---|---|"]
-        lines += [f"| {r['method']} | {r['B']} | {fmt_time(r)} |" for r in extras]
+        lines += [f"| {r['method']} | {r['B']} | {format_time(r)} |" for r in extras]
     return "\n".join(lines)
 
 

@@ -27,7 +27,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 import circle_loss  # noqa: E402
-from bench import _status_bytes, cuda_extra_peak_bytes, environment, is_out_of_memory, median_seconds  # noqa: E402
+from bench import (  # noqa: E402  (bench/bench.py, beside this script)
+    _status_bytes,
+    cuda_extra_peak_bytes,
+    environment,
+    format_memory,
+    format_time,
+    is_out_of_memory,
+    median_seconds,
+)
 
 MARGIN, GAMMA = circle_loss.ANCHOR_DEFAULT_MARGIN, circle_loss.ANCHOR_DEFAULT_GAMMA
 
@@ -183,19 +191,6 @@ def format_row(row) -> str:
 def table(rows) -> str:
     by_key = {(r["method"], r["B"], r.get("M"), r["classes"], r["mode"]): r for r in rows}
 
-    def t(r):
-        if r is None:
-            return "—"
-        if "skipped" in r:
-            return r["skipped"]
-        s = r["seconds"]
-        return f"{s * 1e6:.0f} µs" if s < 1e-3 else f"{s * 1e3:.2f} ms"
-
-    def mem(r):
-        if r is None or r.get("peak_bytes") in (None, -1):
-            return "—"
-        return f"{r['peak_bytes'] / 2**20:.1f} MiB"
-
     def ratio(num, den):
         if not num or not den or "seconds" not in num or "seconds" not in den:
             return "—"
@@ -216,15 +211,15 @@ def table(rows) -> str:
             if pml is None:
                 pml = by_key.get(("PML", batch, m, classes, "fwd+bwd")) if mode == "fwd+bwd" else None
             lines.append(
-                f"| {batch} | {refs or '—'} | {classes} | {mode} | {t(anchor)} | {t(glob)} | {ratio(anchor, glob)} | "
-                f"{ratio(anchor, gemm).rstrip('×')} | {t(drop)} | {t(pml)} | {ratio(pml, drop)} | {mem(anchor)} | "
-                f"{mem(pml)} |"
+                f"| {batch} | {refs or '—'} | {classes} | {mode} | {format_time(anchor)} | {format_time(glob)} | {ratio(anchor, glob)} | "
+                f"{ratio(anchor, gemm).rstrip('×')} | {format_time(drop)} | {format_time(pml)} | {ratio(pml, drop)} | {format_memory(anchor)} | "
+                f"{format_memory(pml)} |"
             )
     alone = [r for r in rows if r["method"] == "anchor_loss op alone"]
     if alone:
         lines += ["", "| anchor_loss alone, fwd+bwd on normalised inputs | classes | time | extra peak (gradients included) |",
                   "|---|---|---|---|"]
-        lines += [f"| B = {r['B']}" + (f", M = {r['M']}" if r.get("M") else "") + f" | {r['classes']} | {t(r)} | {mem(r)} |"
+        lines += [f"| B = {r['B']}" + (f", M = {r['M']}" if r.get("M") else "") + f" | {r['classes']} | {format_time(r)} | {format_memory(r)} |"
                   for r in alone]
     return "\n".join(lines)
 

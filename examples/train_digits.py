@@ -45,6 +45,18 @@ def retrieval_metrics(embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[f
     return recall_at_1, map_at_r
 
 
+def digits_split(device, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits as (x_train, x_test, y_train, y_test) on device,
+    pixels scaled to [0, 1], 30% held out, stratified by digit."""
+    digits = load_digits()
+    x_train, x_test, y_train, y_test = train_test_split(
+        digits.data / 16.0, digits.target, test_size=0.3, random_state=seed, stratify=digits.target
+    )
+    as_features = lambda a: torch.tensor(a, dtype=torch.float32, device=device)  # noqa: E731
+    as_labels = lambda a: torch.tensor(a, device=device)  # noqa: E731
+    return as_features(x_train), as_features(x_test), as_labels(y_train), as_labels(y_test)
+
+
 def make_encoder(embedding_dim: int) -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Linear(64, 256),
@@ -89,15 +101,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    digits = load_digits()
-    x_train, x_test, y_train, y_test = train_test_split(
-        digits.data / 16.0, digits.target, test_size=0.3, random_state=args.seed, stratify=digits.target
-    )
-    to = dict(device=args.device)
-    x_train = torch.tensor(x_train, dtype=torch.float32, **to)
-    x_test = torch.tensor(x_test, dtype=torch.float32, **to)
-    y_train = torch.tensor(y_train, **to)
-    y_test = torch.tensor(y_test, **to)
+    x_train, x_test, y_train, y_test = digits_split(args.device, args.seed)
 
     encoder = make_encoder(args.embedding_dim).to(args.device)
     criterion = circle_loss.CircleLoss(margin=args.margin, gamma=args.gamma)

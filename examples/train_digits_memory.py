@@ -26,11 +26,9 @@ import time
 import torch
 import torch.nn.functional as F
 from pytorch_metric_learning.losses import CrossBatchMemory
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import circle_loss.pml
-from train_digits import make_encoder, retrieval_metrics
+from train_digits import digits_split, make_encoder, retrieval_metrics
 
 
 def main() -> None:
@@ -47,15 +45,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    digits = load_digits()
-    x_train, x_test, y_train, y_test = train_test_split(
-        digits.data / 16.0, digits.target, test_size=0.3, random_state=args.seed, stratify=digits.target
-    )
-    to = dict(device=args.device)
-    x_train = torch.tensor(x_train, dtype=torch.float32, **to)
-    x_test = torch.tensor(x_test, dtype=torch.float32, **to)
-    y_train = torch.tensor(y_train, **to)
-    y_test = torch.tensor(y_test, **to)
+    x_train, x_test, y_train, y_test = digits_split(args.device, args.seed)
 
     encoder = make_encoder(args.embedding_dim).to(args.device)
     loss_fn = CrossBatchMemory(

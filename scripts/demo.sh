@@ -4,6 +4,6 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
-source "$root/scripts/setup.sh" scikit-learn==1.9.1 tqdm==4.70.1 matplotlib==3.10.9
+source "$root/scripts/setup.sh" scikit-learn tqdm matplotlib
 cd "$root"
 python examples/train_digits.py "$@"

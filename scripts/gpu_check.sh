@@ -38,17 +38,20 @@ else
   cp "$(python3 -c 'import circle_loss; print(circle_loss.library_path())')" "$out/"
 fi
 
+# pytest with its output in $out/NAME.log, the last LINES lines shown; a
+# failure marks the whole check failed.
+run_pytest() {
+  local name="$1" lines="$2"
+  shift 2
+  python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$out/$name.log" | tail -"$lines"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
+
 for step in "${steps[@]}"; do
   case "$step" in
-    tests)
-      python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/pytest.log" | tail -15
-      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
-    tests-ops)  # the suite without the examples, which build C++ programs and take minutes
-      python3 -m pytest -q -p no:cacheprovider tests --ignore tests/test_examples.py 2>&1 | tee "$out/pytest_ops.log" | tail -5
-      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
-    examples)
-      python3 -m pytest -q -p no:cacheprovider tests/test_examples.py 2>&1 | tee "$out/pytest_examples.log" | tail -5
-      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    tests) run_pytest pytest 15 tests ;;
+    tests-ops) run_pytest pytest_ops 5 tests --ignore tests/test_examples.py ;;  # examples build C++ and take minutes
+    examples) run_pytest pytest_examples 5 tests/test_examples.py ;;
     tests-by-file)  # one process per file: isolates a crash
       for file in tests/test_*.py; do
         python3 -m pytest -q -p no:cacheprovider "$file" > "$out/pytest_$(basename "$file" .py).log" 2>&1
@@ -62,15 +65,13 @@ for step in "${steps[@]}"; do
       # cannot handle, in plain torch.mm(a, b, out_dtype=torch.float32) too.
       for tool in memcheck racecheck; do
         filter=()
-        tests="matches_reference or half_precision or empty or no_negative or nan or block_ops_compose"
+        marks="sanitize"
         if [ "$tool" = racecheck ]; then
           filter=(--kernel-name kns=circle_loss)
-          tests="matches_reference or empty or no_negative or nan or block_ops_compose"
+          marks="sanitize and not half_precision"
         fi
         compute-sanitizer --tool "$tool" "${filter[@]}" --error-exitcode 9 --target-processes all \
-          python3 -m pytest -q -p no:cacheprovider -x tests/test_correctness.py tests/test_distributed.py tests/test_cuda.py \
-          tests/test_anchor_loss.py \
-          -k "cuda and ($tests) or several_strips or small_batch" \
+          python3 -m pytest -q -p no:cacheprovider -x tests -m "$marks" -k "cuda or not cpu" \
           > "$out/sanitizer_$tool.log" 2>&1
         rc=$?
         echo "compute-sanitizer $tool: exit $rc; $(grep -E 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' ')"
@@ -79,8 +80,7 @@ for step in "${steps[@]}"; do
       done ;;
     distributed)  # needs 2+ GPUs
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-      python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py 2>&1 | tee "$out/pytest_distributed.log" | tail -3
-      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      run_pytest pytest_distributed 3 tests/test_distributed.py
       torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" bench/bench_distributed.py \
         --per-rank 4096 16384 --global 32768 --out "$out" 2>&1 | tee "$out/bench_distributed.log" | tail -16 ;;
     bench-anchor)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Creates .venv (unless one is active), installs the pinned toolchain and
-# builds and installs the circle_loss package into it. Sourced by the other
-# scripts; safe to run again.
+# Creates .venv (unless one is active), installs the pinned toolchain and the
+# packages named as arguments (versions in scripts/constraints.txt), and builds
+# and installs the circle_loss package into it. Sourced by the other scripts;
+# safe to run again.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -12,10 +13,10 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
   . .venv/bin/activate
 fi
 
-pip_install() { python -m pip install --quiet --disable-pip-version-check "$@"; }
-# torch 2.13.0 is pinned: unpinned, pip would fetch a multi-GB CUDA build.
-pip_install torch==2.13.0 scikit-build-core==0.11.6 ninja==1.13.0 "$@"
-command -v cmake >/dev/null || pip_install cmake==3.31.6
+# Every version comes from scripts/constraints.txt.
+pip_install() { python -m pip install --quiet --disable-pip-version-check -c "$root/scripts/constraints.txt" "$@"; }
+pip_install torch scikit-build-core ninja "$@"
+command -v cmake >/dev/null || pip_install cmake
 
 # Against a CPU torch with nvcc present, the CUDA sources are still compiled
 # (not linked), so that a CUDA compile error fails here, as in CI.

@@ -12,10 +12,21 @@ def device(request):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_seed():
-    # Fresh random inputs on every run, with the seed shown on failure.
+def _fresh_seed(request):
+    # Fresh random inputs on every run; a failing test reports its seed
+    # (rerun with torch.manual_seed(seed) in place of torch.seed()).
     seed = torch.seed()
     yield seed
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        report.sections.append(("random seed", f"torch.seed() gave {seed}"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "call":
+        item.report_call = outcome.get_result()
 
 
 def make_inputs(batch, dim, classes, device, dtype=torch.float32, normalize=True):

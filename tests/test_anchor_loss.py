@@ -74,6 +74,7 @@ def make_reference_set(rows, dim, classes, device, dtype):
 
 @pytest.mark.parametrize("batch,dim,classes,refs", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.sanitize
 def test_matches_reference(device, batch, dim, classes, refs, dtype):
     features, labels = make_inputs(batch, dim, classes, device, dtype)
     ref, ref_labels = make_reference_set(refs, dim, classes, device, dtype)
@@ -91,6 +92,8 @@ def test_margin_and_gamma(device, margin, gamma):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("refs", [None, 150])
+@pytest.mark.sanitize
+@pytest.mark.half_precision
 def test_half_precision_inputs(device, dtype, refs):
     features, labels = make_inputs(200, 64, 8, device, dtype)
     ref, ref_labels = make_reference_set(refs, 64, 8, device, dtype)
@@ -98,6 +101,7 @@ def test_half_precision_inputs(device, dtype, refs):
 
 
 @pytest.mark.parametrize("layout", ["all_same", "all_distinct", "singletons_and_pairs", "ref_disjoint"])
+@pytest.mark.sanitize
 def test_rows_with_an_empty_set_give_zero(device, layout):
     batch = 60
     labels = {
@@ -120,6 +124,7 @@ def test_rows_with_an_empty_set_give_zero(device, layout):
         assert torch.equal(grad_q, torch.zeros_like(grad_q))
 
 
+@pytest.mark.sanitize
 def test_empty_inputs(device):
     features, labels = make_inputs(0, 8, 1, device)
     losses, grad_q, _ = run_anchor(features, labels)
@@ -131,6 +136,7 @@ def test_empty_inputs(device):
     assert torch.equal(grad_q, torch.zeros_like(grad_q))
 
 
+@pytest.mark.sanitize
 def test_nan_propagates(device):
     features, labels = make_inputs(40, 8, 3, device)
     features[3, 2] = float("nan")

@@ -88,6 +88,7 @@ def test_non_default_device_index_and_non_contiguous():
 # each of the small path's warps through several chunks of features.
 @pytest.mark.parametrize("batch,dim", [(512, 40), (513, 40), (97, 1100), (300, 515)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.sanitize
 def test_small_batch_path_edges(batch, dim, dtype):
     features, labels = make_inputs(batch, dim, 11, "cuda", dtype)
     x = features.clone().requires_grad_()
@@ -102,6 +103,7 @@ def test_small_batch_path_edges(batch, dim, dtype):
 # by their sign, which the sign of gamma flips.
 @pytest.mark.parametrize("gamma", [64.0, -3.0, 0.0])
 @pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.sanitize
 def test_small_batch_alignment_and_gamma_sign(gamma, aligned):
     features, labels = make_inputs(200, 64, 7, "cuda")
     storage = torch.zeros(features.numel() + 1, device="cuda")
@@ -118,6 +120,7 @@ def test_small_batch_alignment_and_gamma_sign(gamma, aligned):
 # strips may raise; positive pairs are done class by class. B = 4500 gives 2
 # strips in float32 and bfloat16, 3 in float64.
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.sanitize
 def test_several_strips_match_reference(dtype):
     features, labels = make_inputs(4500, 24, 60, "cuda", dtype)
     x = features.clone().requires_grad_()
@@ -149,6 +152,7 @@ def plant_pair(features, first, second, similarity):
 
 @pytest.mark.parametrize("layout", ["two classes", "one class", "largest logit in the last strip", "nan"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.sanitize
 def test_several_strips_edge_cases(layout, dtype):
     batch = 4500
     classes = {"two classes": 2, "one class": 1}.get(layout, 60)
@@ -187,6 +191,7 @@ def anchor_loss_and_grads(features, labels, ref=None, ref_labels=None):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["self", "reference"])
+@pytest.mark.sanitize
 def test_anchor_loss_over_several_strips(dtype, case):
     from test_anchor_loss import assert_anchor_matches_reference
 
@@ -202,14 +207,20 @@ def test_anchor_loss_over_several_strips(dtype, case):
 ANCHOR_CASES = {"small": (200, None), "self strips": (4500, None), "reference strips": (300, 140_000)}
 
 
-@pytest.mark.parametrize("case", list(ANCHOR_CASES))
-def test_anchor_loss_graph_capture_and_replay(case):
-    batch, refs = ANCHOR_CASES[case]
+def anchor_case_inputs(batch, refs):
+    """Features (requiring grad) and labels, and a reference set where refs is given."""
     x, y = make_inputs(batch, 16, 7, "cuda")
     r, ry = make_inputs(refs, 16, 7, "cuda") if refs else (None, None)
     x.requires_grad_()
     if r is not None:
         r.requires_grad_()
+    return x, y, r, ry
+
+
+@pytest.mark.parametrize("case", list(ANCHOR_CASES))
+def test_anchor_loss_graph_capture_and_replay(case):
+    batch, refs = ANCHOR_CASES[case]
+    x, y, r, ry = anchor_case_inputs(batch, refs)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -232,11 +243,7 @@ def test_anchor_loss_graph_capture_and_replay(case):
 @pytest.mark.parametrize("case", list(ANCHOR_CASES))
 def test_anchor_loss_bitwise_deterministic_across_streams(case):
     batch, refs = ANCHOR_CASES[case]
-    x, y = make_inputs(batch, 16, 7, "cuda")
-    r, ry = make_inputs(refs, 16, 7, "cuda") if refs else (None, None)
-    x.requires_grad_()
-    if r is not None:
-        r.requires_grad_()
+    x, y, r, ry = anchor_case_inputs(batch, refs)
     expected = anchor_loss_and_grads(x, y, r, ry)
     for _ in range(3):
         stream = torch.cuda.Stream()

@@ -105,6 +105,7 @@ def test_bad_input_is_refused_before_any_collective():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.sanitize
 def test_block_ops_compose_to_the_op(device, dtype):
     features, labels = global_batch(130, 16, dtype, device)
     halves = [(features[:50], labels[:50]), (features[50:], labels[50:])]

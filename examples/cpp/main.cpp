@@ -1,7 +1,7 @@
-// Runs a TorchScript model whose forward calls torch.ops.circle.loss, with no
-// Python at run time, and prints `loss <value>`; given an AOTInductor package
-// of the same model exported with torch.export, runs that too and prints
-// `aoti loss <value>`.
+// Runs a TorchScript model whose forward calls torch.ops.circle.loss and
+// torch.ops.circle.anchor_loss, with no Python at run time, and prints
+// `loss <value>`; given an AOTInductor package of the same model exported
+// with torch.export, runs that too and prints `aoti loss <value>`.
 //
 //   circle_loss_example <model.pt> <inputs.pt> [<model.pt2>]
 //
