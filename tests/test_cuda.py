@@ -9,6 +9,9 @@ from reference import TOLERANCE, assert_matches_reference, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
+# bfloat16 cases carry the half_precision mark, which racecheck leaves out.
+BFLOAT16 = pytest.param(torch.bfloat16, marks=pytest.mark.half_precision, id="bfloat16")
+
 
 def loss_and_grad(features, labels):
     loss = torch.ops.circle.loss(features, labels)
@@ -87,7 +90,7 @@ def test_non_default_device_index_and_non_contiguous():
 # beyond that cuBLAS strips. Both sides of the switch, and widths that take
 # each of the small path's warps through several chunks of features.
 @pytest.mark.parametrize("batch,dim", [(512, 40), (513, 40), (97, 1100), (300, 515)])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, BFLOAT16])
 @pytest.mark.sanitize
 def test_small_batch_path_edges(batch, dim, dtype):
     features, labels = make_inputs(batch, dim, 11, "cuda", dtype)
@@ -119,7 +122,7 @@ def test_small_batch_alignment_and_gamma_sign(gamma, aligned):
 # strip once, and take negative weights against a running maximum that later
 # strips may raise; positive pairs are done class by class. B = 4500 gives 2
 # strips in float32 and bfloat16, 3 in float64.
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, BFLOAT16])
 @pytest.mark.sanitize
 def test_several_strips_match_reference(dtype):
     features, labels = make_inputs(4500, 24, 60, "cuda", dtype)
@@ -189,7 +192,7 @@ def anchor_loss_and_grads(features, labels, ref=None, ref_labels=None):
     return (losses, *torch.autograd.grad((losses * weights).sum(), inputs))
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, BFLOAT16])
 @pytest.mark.parametrize("case", ["self", "reference"])
 @pytest.mark.sanitize
 def test_anchor_loss_over_several_strips(dtype, case):
