@@ -1,10 +1,11 @@
-// The autograd kernel of circle::loss: a traceable C++ autograd Function at the
-// Autograd key that redispatches below autograd, so eager mode, TorchScript,
-// AOTAutograd (torch.compile, torch.export) and compiled autograd all see the
-// same two registered ops: _loss_with_grad forward, _loss_backward backward.
-#include <ATen/core/dispatch/Dispatcher.h>
+// The autograd kernels of circle::loss and circle::anchor_loss: traceable C++
+// autograd Functions at the Autograd key that redispatch below autograd, so
+// eager mode, TorchScript, AOTAutograd (torch.compile, torch.export) and
+// compiled autograd all see the same registered ops: _loss_with_grad forward
+// and _loss_backward backward; _anchor_loss_forward and _anchor_loss_backward.
 #include "circle_loss.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/sum.h>
 #include <torch/autograd.h>

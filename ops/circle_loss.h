@@ -16,9 +16,10 @@
 
 namespace circle_loss {
 
-// Rejects anything outside the input contract (docs/math.md, "Inputs") with an error naming the
-// argument. Every kernel calls it, the Meta kernel included, so eager calls and
-// traced graphs (fake tensors, symbolic sizes) refuse the same inputs alike.
+// Rejects anything outside the input contract (docs/math.md, "Inputs") with
+// an error naming the argument. Every kernel calls it, the Meta kernel
+// included, so eager calls and traced graphs (fake tensors, symbolic sizes)
+// refuse the same inputs alike.
 //   features: (B, D) float32/float64/float16/bfloat16
 //   labels:   (B,)   any integer dtype, same device as features
 void check_inputs(

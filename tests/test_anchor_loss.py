@@ -318,3 +318,13 @@ def test_autocast_leaves_the_op_alone(device):
     with torch.autocast(device.type, dtype=torch.bfloat16):
         cast = torch.ops.circle.anchor_loss(features, labels)
     assert torch.equal(cast, plain)
+
+
+@pytest.mark.parametrize("label_dtype", [torch.int8, torch.uint8, torch.int32, torch.int64])
+def test_any_integer_labels(device, label_dtype):
+    features, labels = make_inputs(90, 8, 4, device)
+    ref, ref_labels = make_inputs(40, 8, 4, device)
+    op = torch.ops.circle.anchor_loss
+    expected = (op(features, labels), op(features, labels, ref, ref_labels))
+    got = (op(features, labels.to(label_dtype)), op(features, labels.to(label_dtype), ref, ref_labels.to(label_dtype)))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
