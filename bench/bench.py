@@ -49,7 +49,9 @@ def circle_op(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.ops.circle.loss(features, labels, MARGIN, GAMMA)
 
 
-def make_inputs(batch, dim, dtype, device, classes):
+def make_inputs(batch, dim, classes, device, dtype):
+    """Random L2-normalised features and labels, in the argument order of the
+    tests' make_inputs (tests/conftest.py)."""
     features = F.normalize(torch.randn(batch, dim, device=device), dim=1).to(dtype)
     labels = torch.randint(0, classes, (batch,), device=device)
     return features, labels
@@ -111,7 +113,7 @@ def cpu_memory_probe(method, mode, batch, dim, dtype, classes) -> None:
     fn = {"op": circle_op, "eager": eager_reference}[method]
     if mode == "fwd+bwd":
         fn = forward_backward(fn)
-    features, labels = make_inputs(batch, dim, getattr(torch, dtype), "cpu", classes)
+    features, labels = make_inputs(batch, dim, classes, "cpu", getattr(torch, dtype))
     features.requires_grad_(mode == "fwd+bwd")
     fn(features, labels)  # first-use allocations (thread pools, BLAS buffers)
     with open("/proc/self/clear_refs", "w") as f:
@@ -140,7 +142,7 @@ def run(args) -> list[dict]:
     methods = {"op": circle_op, "eager": eager_reference, "compile": compiled_reference}
     rows = []
     for batch in args.sizes:
-        features, labels = make_inputs(batch, args.dim, dtype, device, args.classes)
+        features, labels = make_inputs(batch, args.dim, args.classes, device, dtype)
         leaf = features.clone().requires_grad_()
         for name, fn in methods.items():
             if name != "op" and batch > args.max_reference_batch:
@@ -182,7 +184,7 @@ def cuda_floors(args, dtype) -> list[dict]:
     rows.append(dict(method="x.sum().backward()", B=256, D=512, mode="fwd+bwd",
                      seconds=median_seconds(trivial, args.min_run_time)))
     for batch in args.sizes:
-        f, labels = make_inputs(batch, args.dim, dtype, "cuda", args.classes)
+        f, labels = make_inputs(batch, args.dim, args.classes, "cuda", dtype)
         try:
             gemm = lambda f=f: f @ f.T  # noqa: E731
             gemm()
@@ -195,7 +197,7 @@ def cuda_floors(args, dtype) -> list[dict]:
         del f
         torch.cuda.empty_cache()
     for batch in [b for b in args.sizes if b <= 4096]:
-        f, labels = make_inputs(batch, args.dim, dtype, "cuda", args.classes)
+        f, labels = make_inputs(batch, args.dim, args.classes, "cuda", dtype)
         graph = forward_backward_graph(f.requires_grad_(), labels)
         rows.append(dict(method="op (CUDA graph replay)", B=batch, D=args.dim, dtype=args.dtype,
                          mode="fwd+bwd", seconds=median_seconds(graph.replay, args.min_run_time)))

@@ -67,7 +67,8 @@ def methods():
     return found
 
 
-def make_inputs(batch, refs, dim, dtype, device, classes):
+def make_raw_inputs(batch, refs, dim, classes, device, dtype):
+    """Raw (unnormalised) embeddings and labels, and a reference set of refs rows."""
     x = torch.randn(batch, dim, device=device, dtype=dtype)
     y = torch.randint(0, classes, (batch,), device=device)
     if refs is None:
@@ -99,7 +100,7 @@ def cpu_extra_peak_bytes(method, mode, batch, refs, dim, dtype, classes) -> int:
 
 def cpu_memory_probe(method, mode, batch, refs, dim, dtype, classes) -> None:
     step = step_of(methods()[method], mode)
-    x, y, r, ry = make_inputs(batch, refs or None, dim, getattr(torch, dtype), "cpu", classes)
+    x, y, r, ry = make_raw_inputs(batch, refs or None, dim, classes, "cpu", getattr(torch, dtype))
     x.requires_grad_(mode == "fwd+bwd")
     if r is not None:
         r.requires_grad_(mode == "fwd+bwd")
@@ -119,7 +120,7 @@ def run(args) -> list[dict]:
     rows = []
     for classes in args.classes:
         for batch, refs in shapes:
-            x, y, r, ry = make_inputs(batch, refs, args.dim, dtype, device, classes)
+            x, y, r, ry = make_raw_inputs(batch, refs, args.dim, classes, device, dtype)
             leaves = (x.clone().requires_grad_(), y, None if r is None else r.clone().requires_grad_(), ry)
             for name, fn in found.items():
                 if name == "circle::loss" and refs is not None:

@@ -32,9 +32,9 @@ def main() -> None:
     if args.graph:
         return profile_graph_replays(args)
     for batch in args.sizes:
-        features, labels = make_inputs(batch, args.dim, getattr(torch, args.dtype), "cuda", classes=100)
+        features, labels = make_inputs(batch, args.dim, 100, "cuda", getattr(torch, args.dtype))
         leaf = features.clone().requires_grad_()
-        refs = make_inputs(args.refs, args.dim, getattr(torch, args.dtype), "cuda", classes=100) if args.refs else None
+        refs = make_inputs(args.refs, args.dim, 100, "cuda", getattr(torch, args.dtype)) if args.refs else None
 
         def op(x):
             if args.op == "loss":
@@ -65,7 +65,7 @@ def main() -> None:
 
 def profile_graph_replays(args) -> None:
     for batch in args.sizes:
-        features, labels = make_inputs(batch, args.dim, getattr(torch, args.dtype), "cuda", classes=100)
+        features, labels = make_inputs(batch, args.dim, 100, "cuda", getattr(torch, args.dtype))
         graph = forward_backward_graph(features.clone().requires_grad_(), labels)
         for _ in range(3):
             graph.replay()

@@ -258,44 +258,41 @@ at::Tensor loss_tensor(double loss, const at::Tensor& features) {
   return out;
 }
 
-at::Tensor loss_cpu(
+// The loss, and with with_grad dloss/dfeatures (else an undefined tensor):
+// the one entry point behind both registered kernels.
+std::tuple<at::Tensor, at::Tensor> loss_and_grad_cpu(
     const at::Tensor& features, // (B, D)
     const at::Tensor& labels, // (B,)
     double margin,
-    double gamma) {
-  check_inputs(features, labels, margin, gamma);
-  const NoAutocast no_autocast;
-  const at::Tensor f = features.to(compute_dtype(features)).contiguous();
-  const at::Tensor ids = class_ids({labels})[0];
-  double loss = 0.0;
-  AT_DISPATCH_FLOATING_TYPES(f.scalar_type(), "circle_loss_cpu", [&] {
-    const int32_t* y = ids.data_ptr<int32_t>();
-    const auto lse = lse_over_tiles<scalar_t>(f, y, f, y, pair_logit<scalar_t>(margin, gamma), true);
-    loss = finish_loss(lse[0].lse(), lse[1].lse()).loss;
-  });
-  return loss_tensor(loss, features);
-}
-
-std::tuple<at::Tensor, at::Tensor> loss_with_grad_cpu(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    double margin,
-    double gamma) {
+    double gamma,
+    bool with_grad) {
   check_inputs(features, labels, margin, gamma);
   const NoAutocast no_autocast;
   const at::Tensor f = features.to(compute_dtype(features)).contiguous();
   const at::Tensor ids = class_ids({labels})[0];
   double loss = 0.0;
   at::Tensor grad;
-  AT_DISPATCH_FLOATING_TYPES(f.scalar_type(), "circle_loss_with_grad_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(f.scalar_type(), "circle_loss_cpu", [&] {
     const int32_t* y = ids.data_ptr<int32_t>();
     const auto logit = pair_logit<scalar_t>(margin, gamma);
     const auto lse = lse_over_tiles<scalar_t>(f, y, f, y, logit, true);
     const LossScalars scalars = finish_loss(lse[0].lse(), lse[1].lse());
     loss = scalars.loss;
-    grad = symmetric_gradient<scalar_t>(f, y, logit, scalars);
+    if (with_grad) grad = symmetric_gradient<scalar_t>(f, y, logit, scalars).to(features.scalar_type());
   });
-  return {loss_tensor(loss, features), grad.to(features.scalar_type())};
+  return {loss_tensor(loss, features), grad};
+}
+
+at::Tensor loss_cpu(const at::Tensor& features, const at::Tensor& labels, double margin, double gamma) {
+  return std::get<0>(loss_and_grad_cpu(features, labels, margin, gamma, /*with_grad=*/false));
+}
+
+std::tuple<at::Tensor, at::Tensor> loss_with_grad_cpu(
+    const at::Tensor& features,
+    const at::Tensor& labels,
+    double margin,
+    double gamma) {
+  return loss_and_grad_cpu(features, labels, margin, gamma, /*with_grad=*/true);
 }
 
 at::Tensor lse_partials_cpu(
