@@ -18,14 +18,11 @@ distance other than cosine or dot-product similarity, ``ref_emb`` given with
 
 from __future__ import annotations
 
-import torch
 from pytorch_metric_learning import losses as _pml_losses
 from pytorch_metric_learning.distances import CosineSimilarity, DotProductSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
-from . import load
-
-load()
+from . import anchor_loss  # importing the package registers the ops
 
 
 class CircleLoss(_pml_losses.CircleLoss):
@@ -40,7 +37,7 @@ class CircleLoss(_pml_losses.CircleLoss):
         query = self.distance.maybe_normalize(embeddings)
         ref = query if self_pairs else self.distance.maybe_normalize(ref_emb)
         self.distance.set_default_stats(embeddings, ref_emb, query, ref)
-        per_anchor = torch.ops.circle.anchor_loss(
+        per_anchor = anchor_loss(
             query,
             labels,
             None if self_pairs else ref,
