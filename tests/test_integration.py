@@ -4,6 +4,7 @@ compiled autograd, and loading the library with no Python package at all."""
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,3 +158,9 @@ def test_library_links_torch_and_the_shared_cpp_runtime():
     assert any(name.startswith("libstdc++") for name in needed), needed
     assert any(name.startswith("libtorch") for name in needed), needed
     assert not any(name.startswith(("libpython", "libtorch_python")) for name in needed), needed
+    # The CPU kernels' at::parallel_for runs threads only when built with
+    # OpenMP, on the runtime torch itself uses.
+    torch_cpu = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    torch_needs = subprocess.run(["readelf", "-d", str(torch_cpu)], capture_output=True, text=True).stdout
+    if "[libgomp.so.1]" in torch_needs:
+        assert "libgomp.so.1" in needed, needed
