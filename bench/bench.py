@@ -1,15 +1,21 @@
-"""Side-by-side benchmark of torch.ops.circle.loss against the eager reference
-and torch.compile of it, forward and forward+backward, over a range of B.
+"""Side-by-side benchmark of torch.ops.circle.loss and torch.ops.circle.anchor_loss
+against the eager reference and torch.compile of it, forward and
+forward+backward, over B and the label distribution.
 
     python bench/bench.py                      # CPU, or CUDA when present
-    python bench/bench.py --device cuda --sizes 256 4096 16384 65536 --dtype float32
+    python bench/bench.py --device cuda --sizes 256 4096 16384 65536 --classes 2 10 100 1000 B
+
+Every (B, classes) also times the GEMM F·Fᵀ of the same size and dtype, and
+the table gives each op's time in GEMM-equivalents (its time over the GEMM's,
+both from this run): the figure that says how near the op runs to the rate of
+the matrix product it cannot do without. "--classes B" draws B classes for a
+batch of B (almost every label distinct).
 
 Prints a table (median times, speed-ups over eager, extra peak memory) and
-writes it as CSV, JSON and a PNG plot under --out. On CUDA it also measures
-the floors the targets are stated against: a trivial x.sum().backward(),
-cuBLAS's F·Fᵀ alone, and the op's forward+backward replayed from a CUDA graph.
-Timings come from torch.utils.benchmark (median of many runs); nothing here
-asserts a timing.
+writes it as CSV, JSON and a PNG plot under --out. On CUDA it also measures a
+trivial x.sum().backward() and the op's forward+backward replayed from a CUDA
+graph. Timings come from torch.utils.benchmark (median of many runs); nothing
+here asserts a timing.
 """
 
 from __future__ import annotations
@@ -47,6 +53,19 @@ def eager_reference(features: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 
 def circle_op(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.ops.circle.loss(features, labels, MARGIN, GAMMA)
+
+
+def anchor_op(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The per-anchor form on the same inputs, averaged as a reducer would."""
+    return torch.ops.circle.anchor_loss(features, labels, None, None, MARGIN, GAMMA).mean()
+
+
+def gemm(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The yardstick: the similarity matrix that the ops never hold whole."""
+    return features @ features.T
+
+
+OPS = {"op": circle_op, "anchor": anchor_op}
 
 
 def make_inputs(batch, dim, classes, device, dtype):
@@ -110,7 +129,7 @@ def cpu_extra_peak_bytes(method, mode, batch, dim, dtype, classes) -> int:
 
 
 def cpu_memory_probe(method, mode, batch, dim, dtype, classes) -> None:
-    fn = {"op": circle_op, "eager": eager_reference}[method]
+    fn = {**OPS, "eager": eager_reference}[method]
     if mode == "fwd+bwd":
         fn = forward_backward(fn)
     features, labels = make_inputs(batch, dim, classes, "cpu", getattr(torch, dtype))
@@ -135,69 +154,75 @@ def is_out_of_memory(error: Exception) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
+def class_counts(spec: str, batch: int) -> int:
+    return batch if spec == "B" else int(spec)
+
+
+def measure(name, fn, mode, features, labels, args) -> dict:
+    """One row: fn's median time in mode ("fwd" under no_grad, or "fwd+bwd")
+    and, where asked, its extra peak memory."""
+    device = features.device
+    row = dict(method=name, B=features.size(0), D=args.dim, dtype=args.dtype, mode=mode)
+    step = fn if mode == "fwd" else forward_backward(fn)
+    x = features if mode == "fwd" else features.detach().clone().requires_grad_()
+    call = (lambda: step(x, labels))
+    try:
+        with torch.no_grad() if mode == "fwd" else torch.enable_grad():
+            call()  # warm-up (and compilation)
+            row["seconds"] = median_seconds(call, args.min_run_time)
+            if device.type == "cuda" and args.memory:
+                row["peak_bytes"] = cuda_extra_peak_bytes(call)
+        if device.type == "cpu" and args.memory and name in (*OPS, "eager"):
+            row["peak_bytes"] = cpu_extra_peak_bytes(name, mode, row["B"], args.dim, args.dtype, args.classes_now)
+    except Exception as error:  # an OOM is a result; anything else is not
+        if not is_out_of_memory(error):
+            raise
+        row["skipped"] = "out of memory"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
 def run(args) -> list[dict]:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     compiled_reference = torch.compile(eager_reference, dynamic=False)
-    methods = {"op": circle_op, "eager": eager_reference, "compile": compiled_reference}
+    references = {"eager": eager_reference, "compile": compiled_reference}
     rows = []
-    for batch in args.sizes:
-        features, labels = make_inputs(batch, args.dim, args.classes, device, dtype)
-        leaf = features.clone().requires_grad_()
-        for name, fn in methods.items():
-            if name != "op" and batch > args.max_reference_batch:
-                rows.append(dict(method=name, B=batch, mode="fwd", skipped="--max-reference-batch"))
-                continue
-            for mode, step, x in [("fwd", fn, features), ("fwd+bwd", forward_backward(fn), leaf)]:
-                row = dict(method=name, B=batch, D=args.dim, dtype=args.dtype, mode=mode)
-                call = (lambda s=step, x=x: s(x, labels))
-                try:
-                    with torch.no_grad() if mode == "fwd" else torch.enable_grad():
-                        call()  # warm-up (and compilation)
-                        row["seconds"] = median_seconds(call, args.min_run_time)
-                        if device.type == "cuda":
-                            row["peak_bytes"] = cuda_extra_peak_bytes(call)
-                    if device.type == "cpu" and name != "compile":
-                        row["peak_bytes"] = cpu_extra_peak_bytes(
-                            name, mode, batch, args.dim, args.dtype, args.classes
-                        )
-                except Exception as error:  # an OOM is a result; anything else is not
-                    if not is_out_of_memory(error):
-                        raise
-                    row["skipped"] = "out of memory"
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                rows.append(row)
-                print(_format_row(row), flush=True)
-        del features, leaf
+    memory = args.memory
+    for spec in args.classes:
+        for batch in args.sizes:
+            args.classes_now = class_counts(spec, batch)
+            features, labels = make_inputs(batch, args.dim, args.classes_now, device, dtype)
+            todo = [("GEMM F·Fᵀ", gemm, ("fwd",))] + [(name, fn, ("fwd", "fwd+bwd")) for name, fn in OPS.items()]
+            if batch <= args.max_reference_batch:
+                todo += [(name, fn, ("fwd", "fwd+bwd")) for name, fn in references.items()]
+            for name, fn, modes in todo:
+                for mode in modes:
+                    row = measure(name, fn, mode, features, labels, args) | dict(classes=spec)
+                    rows.append(row)
+                    print(_format_row(row), flush=True)
+            del features
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        args.memory = False  # peak memory hardly depends on the labels: measured at the first distribution only
+    args.memory = memory
     if device.type == "cuda":
         rows += cuda_floors(args, dtype)
     return rows
 
 
 def cuda_floors(args, dtype) -> list[dict]:
-    """The yardsticks the CUDA targets are stated against, measured in this run."""
+    """Floors of the CUDA op measured in this run: a trivial backward, and the
+    op's forward+backward replayed from a CUDA graph (no launch overhead)."""
     rows = []
     x = torch.randn(256, 512, device="cuda", requires_grad=True)
     trivial = lambda: torch.autograd.grad(x.sum(), x)  # noqa: E731
     trivial()
     rows.append(dict(method="x.sum().backward()", B=256, D=512, mode="fwd+bwd",
                      seconds=median_seconds(trivial, args.min_run_time)))
-    for batch in args.sizes:
-        f, labels = make_inputs(batch, args.dim, args.classes, "cuda", dtype)
-        try:
-            gemm = lambda f=f: f @ f.T  # noqa: E731
-            gemm()
-            rows.append(dict(method="cuBLAS F·Fᵀ", B=batch, D=args.dim, dtype=args.dtype, mode="fwd",
-                             seconds=median_seconds(gemm, args.min_run_time)))
-        except Exception as error:
-            if not is_out_of_memory(error):
-                raise
-            rows.append(dict(method="cuBLAS F·Fᵀ", B=batch, mode="fwd", skipped="out of memory"))
-        del f
-        torch.cuda.empty_cache()
     for batch in [b for b in args.sizes if b <= 4096]:
-        f, labels = make_inputs(batch, args.dim, args.classes, "cuda", dtype)
+        f, labels = make_inputs(batch, args.dim, class_counts(args.classes[0], batch), "cuda", dtype)
         graph = forward_backward_graph(f.requires_grad_(), labels)
         rows.append(dict(method="op (CUDA graph replay)", B=batch, D=args.dim, dtype=args.dtype,
                          mode="fwd+bwd", seconds=median_seconds(graph.replay, args.min_run_time)))
@@ -207,11 +232,12 @@ def cuda_floors(args, dtype) -> list[dict]:
 
 
 def _format_row(row) -> str:
+    head = f"{row['method']:>24} B={row['B']:<7} classes={row.get('classes', '—'):<5} {row['mode']:<8}"
     if "skipped" in row:
-        return f"{row['method']:>24} B={row['B']:<7} {row['mode']:<8} skipped: {row['skipped']}"
+        return f"{head} skipped: {row['skipped']}"
     mem = row.get("peak_bytes")
     mem_s = "" if mem is None else f"  extra peak {mem / 2**20:10.1f} MiB"
-    return f"{row['method']:>24} B={row['B']:<7} {row['mode']:<8} {row['seconds'] * 1e3:10.3f} ms{mem_s}"
+    return f"{head} {row['seconds'] * 1e3:10.3f} ms{mem_s}"
 
 
 def format_time(r) -> str:
@@ -231,28 +257,35 @@ def format_memory(r) -> str:
 
 
 def table(rows) -> str:
-    """Markdown table: one line per (B, mode), op vs eager vs compile."""
-    by_key = {(r["method"], r["B"], r["mode"]): r for r in rows}
-    lines = [
-        "| B | mode | op | eager | compile | op speed-up vs eager | vs compile | op extra peak | eager extra peak |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    """Markdown table: one line per (B, classes, mode): both ops in time and
+    in GEMM-equivalents, against eager and compile."""
+    by_key = {(r["method"], r["B"], r.get("classes"), r["mode"]): r for r in rows}
 
-    def ratio(a, b):
+    def ratio(a, b, suffix="×"):
         if not a or not b or "seconds" not in a or "seconds" not in b:
             return "—"
-        return f"{b['seconds'] / a['seconds']:.1f}×"
+        return f"{b['seconds'] / a['seconds']:.{1 if suffix else 2}f}{suffix}"
 
-    for batch in sorted({r["B"] for r in rows if r["method"] == "op"}):
+    lines = [
+        "| B | classes | mode | op | op in GEMMs | anchor_loss | anchor in GEMMs | eager | compile | "
+        "op vs eager | op vs compile | GEMM F·Fᵀ | op extra peak | eager extra peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted({(r["B"], r["classes"]) for r in rows if r["method"] == "op"},
+                  key=lambda k: (k[0], k[1] == "B", int(k[1]) if k[1] != "B" else 0))
+    for batch, classes in keys:
+        gemm_row = by_key.get(("GEMM F·Fᵀ", batch, classes, "fwd"))
         for mode in ("fwd", "fwd+bwd"):
-            op, eager, comp = (by_key.get((m, batch, mode)) for m in ("op", "eager", "compile"))
+            op, anchor, eager, comp = (by_key.get((m, batch, classes, mode)) for m in ("op", "anchor", "eager", "compile"))
             lines.append(
-                f"| {batch} | {mode} | {format_time(op)} | {format_time(eager)} | {format_time(comp)} | "
-                f"{ratio(op, eager)} | {ratio(op, comp)} | {format_memory(op)} | {format_memory(eager)} |"
+                f"| {batch} | {classes} | {mode} | {format_time(op)} | {ratio(gemm_row, op, '')} | "
+                f"{format_time(anchor)} | {ratio(gemm_row, anchor, '')} | {format_time(eager)} | {format_time(comp)} | "
+                f"{ratio(op, eager)} | {ratio(op, comp)} | {format_time(gemm_row)} | {format_memory(op)} | "
+                f"{format_memory(eager)} |"
             )
-    extras = [r for r in rows if r["method"] not in ("op", "eager", "compile")]
+    extras = [r for r in rows if r["method"] not in ("op", "anchor", "eager", "compile", "GEMM F·Fᵀ")]
     if extras:
-        lines += ["", "| yardstick | B | time |", "|---|---|---|"]
+        lines += ["", "| floor | B | time |", "|---|---|---|"]
         lines += [f"| {r['method']} | {r['B']} | {format_time(r)} |" for r in extras]
     return "\n".join(lines)
 
@@ -267,9 +300,11 @@ def plot(rows, path: Path) -> None:
         print("matplotlib not installed: no plot")
         return
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for method, style in (("op", "o-"), ("eager", "s--"), ("compile", "^:")):
+    first = rows[0].get("classes")  # one label distribution: the first one run
+    for method, style in (("op", "o-"), ("anchor", "d-."), ("eager", "s--"), ("compile", "^:")):
         for mode, alpha in (("fwd", 0.5), ("fwd+bwd", 1.0)):
-            pts = [r for r in rows if r["method"] == method and r["mode"] == mode and "seconds" in r]
+            pts = [r for r in rows if r["method"] == method and r["mode"] == mode and "seconds" in r
+                   and r.get("classes") == first]
             if pts:
                 ax_t.loglog([r["B"] for r in pts], [r["seconds"] * 1e3 for r in pts], style,
                             alpha=alpha, label=f"{method} {mode}")
@@ -277,7 +312,7 @@ def plot(rows, path: Path) -> None:
             if mem and mode == "fwd+bwd":
                 ax_m.loglog([r["B"] for r in mem], [max(r["peak_bytes"], 1) / 2**20 for r in mem], style,
                             label=method)
-    ax_t.set(xlabel="B", ylabel="median time (ms)", title="time")
+    ax_t.set(xlabel="B", ylabel="median time (ms)", title=f"time ({first} classes)")
     ax_m.set(xlabel="B", ylabel="extra peak memory, fwd+bwd (MiB)", title="memory")
     for ax in (ax_t, ax_m):
         ax.grid(True, which="both", alpha=0.3)
@@ -311,7 +346,10 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+")
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
-    parser.add_argument("--classes", type=int, default=100)
+    parser.add_argument("--classes", nargs="+", default=["100"],
+                        help="label distributions: class counts, or B for as many classes as rows")
+    parser.add_argument("--no-memory", dest="memory", action="store_false",
+                        help="skip the peak-memory measurements (on CPU, a fresh process each)")
     parser.add_argument("--max-reference-batch", type=int, default=32768,
                         help="largest B at which the B×B-memory reference is attempted")
     parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
@@ -326,6 +364,9 @@ def main() -> None:
         return
     if args.sizes is None:
         args.sizes = [256, 4096, 16384, 65536] if args.device == "cuda" else [256, 1024, 2048]
+    for spec in args.classes:
+        if spec != "B" and not (spec.isdigit() and int(spec) > 0):
+            parser.error(f"--classes: expected positive class counts or B, got {spec!r}")
     torch.set_float32_matmul_precision(args.matmul_precision)
     torch.manual_seed(0)
     rows = run(args)

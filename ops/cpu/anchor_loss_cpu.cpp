@@ -105,7 +105,7 @@ at::Tensor shifted_exp(const PairTile<T>& tile, const T* max_pos, const T* max_n
       const T row_pos = max_pos[i], row_neg = max_neg[i];
       for (int64_t j = 0; j < n_cols; ++j) {
         const T m = yi == y[j] ? row_pos : row_neg;
-        di[j] = zi[j] == kNegInf ? kNegInf : zi[j] == m ? T(0) : zi[j] - m;
+        di[j] = zi[j] == kNegInf ? kNegInf : zi[j] == m ? T(0) : exp_argument(zi[j] - m);
       }
     } else {
       const T* __restrict__ col_pos = max_pos;
@@ -113,7 +113,7 @@ at::Tensor shifted_exp(const PairTile<T>& tile, const T* max_pos, const T* max_n
       for (int64_t j = 0; j < n_cols; ++j) {
         const T pos = col_pos[j], neg = col_neg[j];
         const T m = yi == y[j] ? pos : neg;
-        di[j] = zi[j] == kNegInf ? kNegInf : zi[j] == m ? T(0) : zi[j] - m;
+        di[j] = zi[j] == kNegInf ? kNegInf : zi[j] == m ? T(0) : exp_argument(zi[j] - m);
       }
     }
   }
@@ -134,20 +134,23 @@ void merge_row_states(const PairTile<T>& tile, std::array<LseAccumulator, 2>* st
     T lane_pos[kLanes], lane_neg[kLanes];
     std::fill(lane_pos, lane_pos + kLanes, kNegInf);
     std::fill(lane_neg, lane_neg + kLanes, kNegInf);
-    for (int64_t j0 = 0; j0 < n_cols; j0 += kLanes) {
-      const int64_t lanes = std::min(kLanes, n_cols - j0);
-      for (int64_t k = 0; k < lanes; ++k) {
-        const bool positive = yi == y[j0 + k];
-        const T v_pos = positive ? zi[j0 + k] : kNegInf;
-        const T v_neg = positive ? kNegInf : zi[j0 + k];
-        lane_pos[k] = nan_max(v_pos, lane_pos[k]);
-        lane_neg[k] = nan_max(v_neg, lane_neg[k]);
-      }
+    const auto take = [&](int64_t k, int64_t j) {
+      const bool positive = yi == y[j];
+      const T v_pos = positive ? zi[j] : kNegInf;
+      const T v_neg = positive ? kNegInf : zi[j];
+      const T max_pos = lane_pos[k], max_neg = lane_neg[k];
+      lane_pos[k] = tile_max(v_pos, max_pos);
+      lane_neg[k] = tile_max(v_neg, max_neg);
+    };
+    int64_t j0 = 0;
+    for (; j0 + kLanes <= n_cols; j0 += kLanes) {
+      for (int64_t k = 0; k < kLanes; ++k) take(k, j0 + k);
     }
+    for (int64_t k = 0; j0 + k < n_cols; ++k) take(k, j0 + k);
     T m_pos = kNegInf, m_neg = kNegInf;
     for (int64_t k = 0; k < kLanes; ++k) {
-      m_pos = nan_max(m_pos, lane_pos[k]);
-      m_neg = nan_max(m_neg, lane_neg[k]);
+      m_pos = tile_max(lane_pos[k], m_pos);
+      m_neg = tile_max(lane_neg[k], m_neg);
     }
     row_max_pos[i] = m_pos;
     row_max_neg[i] = m_neg;
@@ -157,15 +160,17 @@ void merge_row_states(const PairTile<T>& tile, std::array<LseAccumulator, 2>* st
     const T* __restrict__ di = shifted.data_ptr<T>() + i * n_cols;
     const int32_t yi = tile.row_ids[i];
     T lane_pos[kLanes] = {}, lane_neg[kLanes] = {};
-    for (int64_t j0 = 0; j0 < n_cols; j0 += kLanes) {
-      const int64_t lanes = std::min(kLanes, n_cols - j0);
-      for (int64_t k = 0; k < lanes; ++k) {
-        const bool positive = yi == y[j0 + k];
-        const T d = di[j0 + k];
-        lane_pos[k] += positive ? d : T(0);
-        lane_neg[k] += positive ? T(0) : d;
-      }
+    const auto add = [&](int64_t k, int64_t j) {
+      const bool positive = yi == y[j];
+      const T d = di[j];
+      lane_pos[k] += positive ? d : T(0);
+      lane_neg[k] += positive ? T(0) : d;
+    };
+    int64_t j0 = 0;
+    for (; j0 + kLanes <= n_cols; j0 += kLanes) {
+      for (int64_t k = 0; k < kLanes; ++k) add(k, j0 + k); // a fixed count: one vector step
     }
+    for (int64_t k = 0; j0 + k < n_cols; ++k) add(k, j0 + k);
     double sum_pos = 0.0, sum_neg = 0.0;
     for (int64_t k = 0; k < kLanes; ++k) {
       sum_pos += lane_pos[k];
@@ -193,8 +198,9 @@ void merge_column_states(const PairTile<T>& tile, std::array<LseAccumulator, 2>*
       const bool positive = yi == y[j];
       const T v_pos = positive ? zi[j] : kNegInf;
       const T v_neg = positive ? kNegInf : zi[j];
-      max_pos[j] = nan_max(v_pos, max_pos[j]);
-      max_neg[j] = nan_max(v_neg, max_neg[j]);
+      const T old_pos = max_pos[j], old_neg = max_neg[j];
+      max_pos[j] = tile_max(v_pos, old_pos);
+      max_neg[j] = tile_max(v_neg, old_neg);
     }
   }
   const at::Tensor shifted = shifted_exp(tile, max_pos, max_neg, /*by_row=*/false);
@@ -255,7 +261,7 @@ at::Tensor softmax_weights(
       const bool off = view.factor[i] == T(0);
       for (int64_t j = 0; j < n_cols; ++j) {
         const T lse = yi == y[j] ? lse_pos : lse_neg;
-        oi[j] = off ? kNegInf : zi[j] - lse;
+        oi[j] = off ? kNegInf : exp_argument(zi[j] - lse);
       }
     } else {
       const T* __restrict__ lse_pos = view.lse_pos;
@@ -263,8 +269,8 @@ at::Tensor softmax_weights(
       const T* __restrict__ factor = view.factor;
       for (int64_t j = 0; j < n_cols; ++j) {
         const T pos = lse_pos[j], neg = lse_neg[j];
-        const T lse = yi == y[j] ? pos : neg;
-        oi[j] = factor[j] == T(0) ? kNegInf : zi[j] - lse;
+        const T shifted = exp_argument(zi[j] - (yi == y[j] ? pos : neg));
+        oi[j] = factor[j] == T(0) ? kNegInf : shifted;
       }
     }
   }

@@ -50,25 +50,27 @@ std::array<LseAccumulator, 2> tile_lse(
   std::vector<T> col_max_neg_v(n_cols, kNegInf);
   T* __restrict__ col_max_pos = col_max_pos_v.data();
   T* __restrict__ col_max_neg = col_max_neg_v.data();
+  const PairLogit<T> pair = logit; // a local copy: its fields then stay in registers
+  const int32_t* __restrict__ y = col_labels;
   for (int64_t i = 0; i < n_rows; ++i) {
     T* __restrict__ zi = zs + i * n_cols;
     const int32_t yi = row_labels[i];
     for (int64_t j = 0; j < n_cols; ++j) {
-      const bool positive = yi == col_labels[j];
+      const bool positive = yi == y[j];
       T slope;
-      const T v = logit(zi[j], positive, &slope);
+      const T v = pair(zi[j], positive, &slope);
       zi[j] = v;
-      // NaN-propagating maxima: a NaN logit poisons its set's LSE.
       const T v_pos = positive ? v : kNegInf;
       const T v_neg = positive ? kNegInf : v;
-      col_max_pos[j] = (v_pos > col_max_pos[j] || v_pos != v_pos) ? v_pos : col_max_pos[j];
-      col_max_neg[j] = (v_neg > col_max_neg[j] || v_neg != v_neg) ? v_neg : col_max_neg[j];
+      const T max_pos = col_max_pos[j], max_neg = col_max_neg[j];
+      col_max_pos[j] = tile_max(v_pos, max_pos);
+      col_max_neg[j] = tile_max(v_neg, max_neg);
     }
   }
   auto fold_max = [](const std::vector<T>& v) {
     T m = -std::numeric_limits<T>::infinity();
     for (T x : v) {
-      m = (x > m || x != x) ? x : m; // once NaN, no x compares greater
+      m = tile_max(x, m);
     }
     return m;
   };
@@ -80,7 +82,7 @@ std::array<LseAccumulator, 2> tile_lse(
     for (int64_t j = 0; j < n_cols; ++j) {
       // As max_ratio: a logit equal to its set's max gives exp(0), infinite ones too.
       const T m = yi == col_labels[j] ? max_pos : max_neg;
-      zi[j] = zi[j] == m ? T(0) : zi[j] - m;
+      zi[j] = zi[j] == m ? T(0) : exp_argument(zi[j] - m);
     }
   }
   z.exp_(); // ATen's vectorised exp, single-threaded inside a parallel region
@@ -166,12 +168,17 @@ at::Tensor tile_gradient_weights(
   at::Tensor slopes = at::empty_like(weights);
   T* __restrict__ ws = weights.data_ptr<T>();
   T* __restrict__ cs = slopes.data_ptr<T>();
+  const PairLogit<T> pair = logit;
+  const int32_t* __restrict__ y = col_labels;
   for (int64_t i = 0; i < n_rows; ++i) {
+    T* __restrict__ wi = ws + i * n_cols;
+    T* __restrict__ ci = cs + i * n_cols;
     const int32_t yi = row_labels[i];
     for (int64_t j = 0; j < n_cols; ++j) {
-      const int64_t k = i * n_cols + j;
-      const bool positive = yi == col_labels[j];
-      ws[k] = logit(ws[k], positive, cs + k) - (positive ? lse_pos : lse_neg);
+      const bool positive = yi == y[j];
+      T slope;
+      wi[j] = exp_argument(pair(wi[j], positive, &slope) - (positive ? lse_pos : lse_neg));
+      ci[j] = slope;
     }
   }
   weights.exp_();

@@ -12,6 +12,7 @@
 #include <ATen/ops/cat.h>
 
 #include <atomic>
+#include <type_traits>
 #include <vector>
 
 namespace circle_loss {
@@ -67,6 +68,32 @@ inline std::vector<at::Tensor> class_ids(at::TensorList labels) {
     offset += l.size(0);
   }
   return out;
+}
+
+// Larger of a and b, as the tile loops take their maxima: written as the
+// one select that GCC turns into a vector max (nan_max's two tests, or even
+// `a > b ? a : b` beside a second maximum, stay control flow and keep the
+// loop scalar and branchy: with few classes, a mispredicted branch a pair).
+// A NaN may be dropped from a maximum, yet still poisons its set: exp(NaN -
+// max) puts it into the set's sum, and the LSE of a NaN sum is NaN.
+template <typename T>
+inline T tile_max(T a, T b) {
+  return a < b ? b : a;
+}
+
+// ATen's exp_ runs MKL's vectorised exp, which takes a slow path for every
+// argument whose result underflows (below about -87 in float32): with few
+// classes most of a tile's positive pairs do, and then cost more than the
+// tile's GEMM. Arguments of exp(z - max) and exp(z - LSE) are floored at
+// kExpFloor instead: its exp (2e-35 in float32, 1e-304 in float64) is lost
+// in any sum that holds its set's maximum term, exp(0) = 1, and leaves a
+// weight far below anything the gradient can resolve.
+template <typename T>
+constexpr T kExpFloor = std::is_same_v<T, float> ? T(-80) : T(-700);
+
+template <typename T>
+inline T exp_argument(T x) {
+  return x < kExpFloor<T> ? kExpFloor<T> : x; // NaN passes
 }
 
 template <typename T>
