@@ -81,3 +81,32 @@ def test_overflowing_logits_give_inf_as_the_reference_does(device):
             assert torch.isinf(loss) and loss > 0, (gamma, loss)
         else:
             assert relative_error(loss, expected) <= 1e-4, (gamma, loss, expected)
+
+
+@pytest.fixture
+def two_threads_at_least():
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, 2))
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("two_threads_at_least")
+def test_kernels_record_no_autograd_history(device):
+    # The CPU kernels run ATen ops on worker threads, which must see the
+    # caller's no-grad state: an output that requires grad here would carry a
+    # graph of the kernel's own tile GEMMs.
+    features, labels = make_inputs(700, 16, 7, device)
+    refs, ref_labels = make_inputs(600, 16, 7, device)
+    q = features.clone().requires_grad_()
+    r = refs.clone().requires_grad_()
+    with torch.no_grad():
+        outputs = list(torch.ops.circle._loss_with_grad(q, labels, 0.25, 64.0))
+        scalars = torch.ops.circle._lse_finish(torch.ops.circle._lse_partials(q, labels, r, ref_labels, 0.25, 64.0)[None])
+        outputs.append(torch.ops.circle._block_grad(q, labels, r, ref_labels, scalars, 0.25, 64.0))
+        for ref, ref_y in ((None, None), (r, ref_labels)):
+            losses, row_lse = torch.ops.circle._anchor_loss_forward(q, labels, ref, ref_y, 0.4, 80.0)
+            outputs += [losses, row_lse]
+            outputs += torch.ops.circle._anchor_loss_backward(torch.ones_like(losses), q, labels, ref, ref_y, row_lse,
+                                                              0.4, 80.0)
+    assert not any(out.requires_grad for out in outputs)

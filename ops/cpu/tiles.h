@@ -7,6 +7,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_unique.h>
 #include <ATen/ops/cat.h>
@@ -27,10 +28,18 @@ constexpr int64_t kTile = 256;
 // taking the next task as it finishes one: a thread that the OS slows down
 // does not hold the others back. No result may depend on which thread ran a
 // task (each writes its own slot or its own block of rows).
+//
+// Tasks call ATen ops, which dispatch by thread-local state, and at::parallel_for
+// does not carry the caller's to its worker threads: there autograd would
+// record every tile's GEMM (grad mode is on by default, the kernel's
+// below-autograd exclusion absent) and tie the kernel's outputs to its
+// inputs' graph. Each task runs under the caller's state.
 template <typename Task>
 inline void for_each_task(int64_t n, const Task& task) {
   std::atomic<int64_t> next{0};
+  const at::ThreadLocalState caller;
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    const at::ThreadLocalStateGuard same_state_as_caller(caller);
     for (int64_t t = next++; t < n; t = next++) {
       task(t);
     }
