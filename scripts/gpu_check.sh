@@ -5,7 +5,7 @@
 #   tests-by-file  the same, one process per file (isolates a crash)
 #   tests-ops      the suite without tests/test_examples.py; examples: that file alone
 #   sanitize       compute-sanitizer memcheck and racecheck over the CUDA tests
-#   bench          bench/bench.py (fp32 sizes, then bf16/fp16 and TF32-allowed fp32 at B = 16384)
+#   bench          bench/bench.py (fp32 sizes; label distributions in fp32, bf16, fp16 and TF32-allowed fp32)
 #   bench-anchor   bench/bench_anchor.py (the per-anchor op, the drop-in and PML)
 #   distributed    with 2+ GPUs: the NCCL test and bench/bench_distributed.py
 # Logs are packed into $OUT/gpu_logs.tgz (or ./gpu_logs).
@@ -20,6 +20,7 @@ dest="${OUT:-$root/gpu_logs}"
 out="$(mktemp -d)"
 mkdir -p "$dest"
 trap 'tar czf "$dest/gpu_logs.tgz" -C "$out" . ; cp "$out"/*.md "$out"/*.png "$out"/*.so "$dest"/ 2>/dev/null' EXIT
+mkdir -p "$out/classes"
 export PYTHONUNBUFFERED=1
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(tests sanitize bench)
@@ -87,15 +88,21 @@ for step in "${steps[@]}"; do
       python3 bench/bench_anchor.py --device cuda --sizes 256 4096 16384 65536 --refs 256:65536 1024:262144 \
         --classes 10 100 --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_anchor.log" | tail -20 ;;
     bench)
+      # The README's float32 table, then the label distributions at B = 16384
+      # in float32, bfloat16 and float16 (also at 65536) and TF32-allowed float32.
       python3 bench/bench.py --device cuda --sizes 256 4096 16384 65536 262144 --max-reference-batch 16384 \
         --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_fp32.log" | tail -24
+      python3 bench/bench.py --device cuda --sizes 16384 --classes 2 10 100 1000 B --max-reference-batch 0 \
+        --no-memory --min-run-time 0.3 --out "$out/classes" 2>&1 | tee "$out/bench_fp32_classes.log" | grep -E "^\| 16384"
       for dtype in bfloat16 float16; do
-        python3 bench/bench.py --device cuda --dtype "$dtype" --sizes 16384 --max-reference-batch 0 \
-          --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_$dtype.log" | grep -E "^\| 16384|op "
+        python3 bench/bench.py --device cuda --dtype "$dtype" --sizes 16384 65536 --classes 2 10 100 1000 B \
+          --max-reference-batch 0 --no-memory --min-run-time 0.3 --out "$out/classes" 2>&1 \
+          | tee "$out/bench_$dtype.log" | grep -E "^\| (16384|65536)"
       done
       # float32 with TF32 GEMMs allowed, as torch.set_float32_matmul_precision("high") allows them
-      python3 bench/bench.py --device cuda --sizes 16384 --max-reference-batch 0 --matmul-precision high \
-        --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_fp32_tf32.log" | grep -E "^\| 16384|op " ;;
+      python3 bench/bench.py --device cuda --sizes 16384 --classes 10 1000 --max-reference-batch 0 --no-memory \
+        --matmul-precision high --min-run-time 0.3 --out "$out/classes" 2>&1 | tee "$out/bench_fp32_tf32.log" \
+        | grep -E "^\| 16384" ;;
   esac
 done
 exit $status

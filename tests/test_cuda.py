@@ -9,8 +9,10 @@ from reference import TOLERANCE, assert_matches_reference, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-# bfloat16 cases carry the half_precision mark, which racecheck leaves out.
+# bfloat16 and float16 cases carry the half_precision mark, which racecheck
+# leaves out.
 BFLOAT16 = pytest.param(torch.bfloat16, marks=pytest.mark.half_precision, id="bfloat16")
+FLOAT16 = pytest.param(torch.float16, marks=pytest.mark.half_precision, id="float16")
 
 
 def loss_and_grad(features, labels):
@@ -19,9 +21,11 @@ def loss_and_grad(features, labels):
     return loss, grad
 
 
-@pytest.mark.parametrize("batch", [1, 200, 700, 4500])  # 4500: several strips (below)
-def test_cuda_graph_capture_and_replay(batch):
-    static_x, static_y = make_inputs(batch, 48, 9, "cuda")
+# 4500: several strips (below); bfloat16: the tensor-core tiles
+@pytest.mark.parametrize("batch,dtype", [(1, torch.float32), (200, torch.float32), (700, torch.float32),
+                                         (4500, torch.float32), (4500, torch.bfloat16)])
+def test_cuda_graph_capture_and_replay(batch, dtype):
+    static_x, static_y = make_inputs(batch, 48, 9, "cuda", dtype)
     static_x.requires_grad_()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -33,7 +37,7 @@ def test_cuda_graph_capture_and_replay(batch):
     with torch.cuda.graph(graph):  # raises if anything synchronises with the host
         static_loss, static_grad = loss_and_grad(static_x, static_y)
     for _ in range(2):  # fresh data through the same graph
-        x, y = make_inputs(batch, 48, 9, "cuda")
+        x, y = make_inputs(batch, 48, 9, "cuda", dtype)
         with torch.no_grad():
             static_x.copy_(x)
         static_y.copy_(y)
@@ -42,9 +46,11 @@ def test_cuda_graph_capture_and_replay(batch):
         assert_matches_reference(static_loss, static_grad, x, y)
 
 
-@pytest.mark.parametrize("batch", [300, 1500, 4500])  # the small-batch path, one strip, several
-def test_bitwise_deterministic_across_streams(batch):
-    features, labels = make_inputs(batch, 96, 30, "cuda")
+# the small-batch path, one strip, several; bfloat16: the tensor-core tiles
+@pytest.mark.parametrize("batch,dtype", [(300, torch.float32), (1500, torch.float32), (4500, torch.float32),
+                                         (4500, torch.bfloat16)])
+def test_bitwise_deterministic_across_streams(batch, dtype):
+    features, labels = make_inputs(batch, 96, 30, "cuda", dtype)
     features.requires_grad_()
     expected = loss_and_grad(features, labels)
     for _ in range(3):
@@ -142,6 +148,61 @@ def test_block_ops_over_several_strips():
     loss_tol, grad_tol = TOLERANCE[torch.float32]
     assert relative_error(scalars[2], loss) <= loss_tol
     assert relative_error(block_grad, grad) <= grad_tol
+
+
+# float16/bfloat16 batches beyond the small path form S on the tensor cores,
+# 128 × 128 a tile and 64 features a stage (ops/cuda/mma_tiles.cuh): rows and
+# features that end inside a tile or a stage are zero-filled, and the weights
+# of a strip whose width is no multiple of 8 are stored element by element.
+# Widths that are no multiple of 8, and rows that start off a 16-byte
+# boundary, take the cuBLAS strips instead.
+@pytest.mark.parametrize("batch,dim", [(600, 8), (1000, 72), (1027, 200), (700, 100), (4500, 24)])
+@pytest.mark.parametrize("dtype", [FLOAT16, BFLOAT16])
+@pytest.mark.sanitize
+def test_tensor_core_tiles_match_reference(batch, dim, dtype):
+    features, labels = make_inputs(batch, dim, 13, "cuda", dtype)
+    x = features.clone().requires_grad_()
+    loss, grad = loss_and_grad(x, labels)
+    assert_matches_reference(loss, grad, features, labels)
+    with torch.no_grad():  # the loss-only call takes the same loss pass
+        assert torch.equal(torch.ops.circle.loss(features, labels), loss)
+
+
+@pytest.mark.parametrize("dtype", [FLOAT16, BFLOAT16])
+def test_tensor_core_tiles_unaligned_rows(dtype):
+    features, labels = make_inputs(900, 64, 7, "cuda", dtype)
+    storage = torch.zeros(features.numel() + 1, device="cuda", dtype=dtype)
+    x = storage[1:].view_as(features)  # 2 bytes past a 16-byte boundary
+    x.copy_(features)
+    x.requires_grad_()
+    loss, grad = loss_and_grad(x, labels)
+    assert_matches_reference(loss, grad, features, labels)
+
+
+# The loss pass alone runs no cuBLAS, so racecheck (which cannot run cuBLAS's
+# half-precision GEMMs) sees the tiles' shared memory here.
+@pytest.mark.sanitize
+def test_tensor_core_loss_pass():
+    for dtype in (torch.float16, torch.bfloat16):
+        features, labels = make_inputs(1027, 72, 5, "cuda", dtype)
+        with torch.no_grad():
+            loss = torch.ops.circle.loss(features, labels)
+        assert_matches_reference(loss, None, features, labels)
+
+
+# The block ops take rectangular products on the tensor cores, as the ring of
+# circle_loss.distributed calls them.
+@pytest.mark.parametrize("dtype", [FLOAT16, BFLOAT16])
+@pytest.mark.sanitize
+def test_tensor_core_block_ops(dtype):
+    features, labels = make_inputs(1900, 72, 17, "cuda", dtype)
+    parts = [(features[:700], labels[:700]), (features[700:], labels[700:])]
+    partials = torch.stack([torch.ops.circle._lse_partials(r, rl, c, cl, 0.25, 256.0)
+                            for r, rl in parts for c, cl in parts])
+    scalars = torch.ops.circle._lse_finish(partials)
+    grad = torch.cat([sum(torch.ops.circle._block_grad(r, rl, c, cl, scalars, 0.25, 256.0) for c, cl in parts)
+                      for r, rl in parts])
+    assert_matches_reference(scalars[2].to(dtype), grad.to(dtype), features, labels)
 
 
 def plant_pair(features, first, second, similarity):

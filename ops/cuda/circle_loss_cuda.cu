@@ -27,11 +27,19 @@
 // class's worth per row, are done afterwards within their classes with the
 // exact LSE_P (positive_band_kernel over the rows sorted by label).
 //
+// float16/bfloat16 batches whose rows are whole 16-byte chunks form S on the
+// tensor cores instead (mma_tiles.cuh), in registers, and never write it:
+//   tile_lse_kernel       the loss pass in one launch over every tile on and
+//                         above the diagonal, partials as strip_lse_kernel's.
+//   tile_weights_kernel   the gradient pass's W, strip by strip, straight from
+//                         the tiles; cuBLAS then multiplies W by F as above.
+//
 // No atomics: every reduction runs in a fixed order, cuBLAS is reproducible on
 // a given GPU, so results are bitwise the same from run to run. Nothing waits
 // for the host: the LSEs stay on the device and the op can be graph-captured.
-#include "strips.cuh"
+#include "mma_tiles.cuh"
 #include "small_batch.h"
+#include "strips.cuh"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
@@ -111,6 +119,209 @@ __global__ void __launch_bounds__(kThreads) strip_weights_kernel(
     const acc_t w = scale * exp(z - (is_positive ? lse_positive : lse_negative)) * slope;
     weights[r * cols + c] = static_cast<weight_t>(is_positive && negatives_only ? acc_t(0) : w);
   });
+}
+
+// Which tile of S this CTA owns. Symmetric: the tiles on and above the
+// diagonal, row by row (the CTAs of one row of tiles run together and share
+// its features in L2); otherwise every tile, row by row.
+__device__ __forceinline__ void tile_position(bool symmetric, int64_t col_tiles, int64_t* ti, int64_t* tj) {
+  const int64_t t = blockIdx.x;
+  if (!symmetric) {
+    *ti = t / col_tiles;
+    *tj = t % col_tiles;
+    return;
+  }
+  // Row i starts at i·n - i·(i - 1)/2; the estimate from the quadratic's
+  // root is off by at most one either way in double precision.
+  const double n = static_cast<double>(col_tiles);
+  int64_t i = static_cast<int64_t>((2.0 * n + 1.0 - sqrt((2.0 * n + 1.0) * (2.0 * n + 1.0) - 8.0 * t)) / 2.0);
+  const auto row_start = [&](int64_t r) { return r * col_tiles - r * (r - 1) / 2; };
+  i = max(int64_t{0}, min(i, col_tiles - 1));
+  while (i > 0 && row_start(i) > t) --i;
+  while (i + 1 < col_tiles && row_start(i + 1) <= t) ++i;
+  *ti = i;
+  *tj = i + (t - row_start(i));
+}
+
+// The tensor-core epilogues take exp from the special-function unit
+// (__expf, a few ulp): float16/bfloat16 inputs resolve far less, and the
+// full-precision exp doubles the instructions of an epilogue that already
+// issues more than its tile's main loop.
+
+// The thread's (max, Σ) of both sets over its entries of a tile, which hold
+// S on entry and their logits on exit; each entry's sum term is weighted by
+// its multiplicity relative to an off-diagonal pair (1; 1/2 on a symmetric
+// product's diagonal, 0 below it or past the end). kEveryEntry: a full tile
+// off the diagonal, where every entry has weight 1 and none is tested. The
+// maxima come first, then the sums at them: one exp an entry, no branch.
+template <bool kEveryEntry>
+__device__ __forceinline__ void tile_entry_states(
+    TileAccumulators& tile,
+    const TileLabels& labels,
+    const PairLogit<float>& logit,
+    int valid_rows,
+    int valid_cols,
+    bool diagonal,
+    LseState<float>& positive,
+    LseState<float>& negative) {
+  const auto weight_of = [&](int r, int c) {
+    if constexpr (kEveryEntry) {
+      return 1.0f;
+    } else {
+      return r >= valid_rows || c >= valid_cols ? 0.0f : !diagonal ? 1.0f : c > r ? 1.0f : c == r ? 0.5f : 0.0f;
+    }
+  };
+#pragma unroll
+  for (int mi = 0; mi < kMmaRowTiles; ++mi) {
+#pragma unroll
+    for (int ni = 0; ni < kMmaColTiles; ++ni) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = TileAccumulators::row_of(mi, e);
+        const int c = TileAccumulators::col_of(ni, e);
+        const bool is_positive = labels.positive(r, c);
+        float& s = tile.acc[mi][ni][e];
+        float slope;
+        s = logit(s, is_positive, &slope);
+        if (weight_of(r, c) == 0.0f) continue;
+        float& largest = is_positive ? positive.max : negative.max;
+        largest = nan_max(largest, s);
+      }
+    }
+  }
+#pragma unroll
+  for (int mi = 0; mi < kMmaRowTiles; ++mi) {
+#pragma unroll
+    for (int ni = 0; ni < kMmaColTiles; ++ni) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = TileAccumulators::row_of(mi, e);
+        const int c = TileAccumulators::col_of(ni, e);
+        const float weight = weight_of(r, c);
+        const bool is_positive = labels.positive(r, c);
+        const float z = tile.acc[mi][ni][e];
+        if (weight == 0.0f) continue;
+        const float largest = is_positive ? positive.max : negative.max;
+        (is_positive ? positive.sum : negative.sum) += z == largest ? weight : weight * __expf(z - largest);
+      }
+    }
+  }
+}
+
+// partials[blockIdx] = (max_P, Σ_P, max_N, Σ_N) of one kMmaTile² tile of
+// rows · colsᵀ, formed on the tensor cores and reduced in registers: the
+// loss pass of float16/bfloat16 batches, with S never in memory. Pairs count
+// as in strip_lse_kernel: in a symmetric product, twice above the diagonal,
+// once on it, not at all below it.
+template <typename T>
+__global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
+    const T* __restrict__ rows, // (R, D)
+    const int64_t* __restrict__ row_labels, // (R,)
+    int64_t n_rows,
+    const T* __restrict__ cols, // (C, D)
+    const int64_t* __restrict__ col_labels, // (C,)
+    int64_t n_cols,
+    int64_t dim,
+    bool symmetric, // rows is cols: only the tiles on and above the diagonal
+    PairLogit<float> logit,
+    float* __restrict__ partials) { // (tiles, 4)
+  extern __shared__ __align__(128) unsigned char stages[];
+  __shared__ float scratch[2 * kMmaThreads / 32];
+  __shared__ TileLabels labels;
+  int64_t ti, tj;
+  tile_position(symmetric, (n_cols + kMmaTile - 1) / kMmaTile, &ti, &tj);
+  const int64_t row0 = ti * kMmaTile;
+  const int64_t col0 = tj * kMmaTile;
+  labels.load(row_labels, n_rows, row0, col_labels, n_cols, col0);
+  TileAccumulators tile;
+  multiply_tile(tile, rows, n_rows, row0, cols, n_cols, col0, dim, reinterpret_cast<T*>(stages));
+  __syncthreads(); // the labels, also where dim gives the main loop no step
+  const int valid_rows = static_cast<int>(n_rows - row0 < kMmaTile ? n_rows - row0 : kMmaTile);
+  const int valid_cols = static_cast<int>(n_cols - col0 < kMmaTile ? n_cols - col0 : kMmaTile);
+  const bool diagonal = symmetric && ti == tj;
+  LseState<float> positive;
+  LseState<float> negative;
+  if (!diagonal && valid_rows == kMmaTile && valid_cols == kMmaTile) {
+    tile_entry_states<true>(tile, labels, logit, valid_rows, valid_cols, diagonal, positive, negative);
+  } else {
+    tile_entry_states<false>(tile, labels, logit, valid_rows, valid_cols, diagonal, positive, negative);
+  }
+  block_fold<kMmaThreads>(positive, negative, scratch);
+  if (threadIdx.x == 0) {
+    const float off_diagonal = symmetric ? 2.0f : 1.0f; // the weight the sums are relative to
+    float* out = partials + 4 * static_cast<int64_t>(blockIdx.x);
+    out[0] = positive.max;
+    out[1] = positive.sum * off_diagonal;
+    out[2] = negative.max;
+    out[3] = negative.sum * off_diagonal;
+  }
+}
+
+// weights = W = 2σ(Z)·exp(z - LSE of its set)·dz/ds over a strip rows ×
+// colsᵀ, one kMmaTile² tile a CTA, S formed on the tensor cores: the
+// gradient pass of float16/bfloat16 batches, S never in memory. The tile of
+// W goes through shared memory, so that global stores are whole 16 bytes.
+template <typename T>
+__global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
+    const T* __restrict__ rows, // (R, D)
+    const int64_t* __restrict__ row_labels, // (R,)
+    int64_t n_rows,
+    const T* __restrict__ cols, // (C, D)
+    const int64_t* __restrict__ col_labels, // (C,)
+    int64_t n_cols,
+    int64_t dim,
+    PairLogit<float> logit,
+    const double* __restrict__ scalars, // (LSE_P, LSE_N, loss, 2σ(Z))
+    T* __restrict__ weights) { // (R, C)
+  extern __shared__ __align__(128) unsigned char stages[];
+  constexpr int kStride = kMmaTile + 8; // padded rows of the staged tile: its writes avoid bank conflicts
+  static_assert(kStride * sizeof(T) % 16 == 0, "staged rows start 16-byte aligned");
+  static_assert(kMmaTile * kStride * sizeof(T) <= kMmaSharedBytes, "the staged tile fits in the stages");
+  const int64_t row0 = blockIdx.y * static_cast<int64_t>(kMmaTile);
+  const int64_t col0 = blockIdx.x * static_cast<int64_t>(kMmaTile);
+  __shared__ TileLabels labels;
+  labels.load(row_labels, n_rows, row0, col_labels, n_cols, col0);
+  TileAccumulators tile;
+  multiply_tile(tile, rows, n_rows, row0, cols, n_cols, col0, dim, reinterpret_cast<T*>(stages));
+  __syncthreads(); // the labels, also where dim gives the main loop no step
+  const float lse_positive = static_cast<float>(scalars[0]);
+  const float lse_negative = static_cast<float>(scalars[1]);
+  const float scale = static_cast<float>(scalars[3]);
+  T* staged = reinterpret_cast<T*>(stages);
+  __syncthreads(); // every warp is done with the stages
+#pragma unroll
+  for (int mi = 0; mi < kMmaRowTiles; ++mi) {
+#pragma unroll
+    for (int ni = 0; ni < kMmaColTiles; ++ni) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = TileAccumulators::row_of(mi, e);
+        const int c = TileAccumulators::col_of(ni, e);
+        const bool is_positive = labels.positive(r, c);
+        float slope;
+        const float z = logit(tile.acc[mi][ni][e], is_positive, &slope);
+        const float w = scale * __expf(z - (is_positive ? lse_positive : lse_negative)) * slope;
+        staged[r * kStride + c] = static_cast<T>(w);
+      }
+    }
+  }
+  __syncthreads();
+  constexpr int kChunks = kMmaTile * kMmaTile / kVec<T>;
+  const bool whole_chunks = n_cols % kVec<T> == 0 && reinterpret_cast<uintptr_t>(weights) % 16 == 0;
+  for (int q = threadIdx.x; q < kChunks; q += kMmaThreads) {
+    const int row = q / (kMmaTile / kVec<T>);
+    const int col = q % (kMmaTile / kVec<T>) * kVec<T>;
+    const int64_t r = row0 + row;
+    const int64_t c = col0 + col;
+    if (r >= n_rows || c >= n_cols) continue;
+    const T* from = staged + row * kStride + col; // 16-byte aligned: kStride · sizeof(T) is a multiple of 16
+    T* to = weights + r * n_cols + c;
+    if (whole_chunks) {
+      *reinterpret_cast<Packed<T, kVec<T>>*>(to) = *reinterpret_cast<const Packed<T, kVec<T>>*>(from);
+    } else {
+      for (int v = 0; v < kVec<T> && c + v < n_cols; ++v) to[v] = from[v];
+    }
+  }
 }
 
 // negative_max[strip] = max(negative_max[strip - 1], the largest negative
@@ -317,10 +528,12 @@ class StripPasses {
         cols_(cols),
         symmetric_(symmetric),
         logit_{static_cast<acc_t>(margin), static_cast<acc_t>(gamma)},
-        strips_(plan_strips(rows.size(), cols.size(), symmetric, sizeof(acc_t))),
+        tensor_cores_(use_tensor_cores(rows, cols)),
+        // With the tensor cores only the weights, in scalar_t, are held.
+        strips_(plan_strips(rows.size(), cols.size(), symmetric, tensor_cores_ ? sizeof(scalar_t) : sizeof(acc_t))),
         sms_(multiprocessors()) {
     const int64_t largest = strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols;
-    workspace_ = at::empty({largest}, rows.features.options().dtype(dtype_of<acc_t>()));
+    workspace_ = at::empty({largest}, rows.features.options().dtype(tensor_cores_ ? dtype_of<scalar_t>() : dtype_of<acc_t>()));
   }
 
   int64_t strip_count() const { return static_cast<int64_t>(strips_.size()); }
@@ -328,6 +541,9 @@ class StripPasses {
   // Loss pass: every CTA's LSE partials, (n, 4) in acc_t. Leaves the last
   // strip's S in the workspace.
   at::Tensor lse_partials() {
+    if (tensor_cores_) {
+      return tile_lse_partials();
+    }
     at::Tensor partials = at::empty({partial_count(), 4}, workspace_.options());
     int64_t offset = 0;
     for (const Strip& strip : strips_) {
@@ -343,7 +559,13 @@ class StripPasses {
   // the loss pass left, and each strip's own rows are written before any
   // earlier strip adds its transposed share to them.
   at::Tensor gradient(const at::Tensor& scalars) {
-    at::Tensor grad = at::empty({rows_.size(), rows_.features.size(1)}, workspace_.options());
+    at::Tensor grad = at::empty({rows_.size(), rows_.features.size(1)}, rows_.features.options().dtype(dtype_of<acc_t>()));
+    if (tensor_cores_) {
+      for (auto strip = strips_.rbegin(); strip != strips_.rend(); ++strip) {
+        add_strip_gradient(grad, launch_tile_weights(*strip, scalars.data_ptr<double>()), *strip, false, true);
+      }
+      return grad;
+    }
     const at::Tensor weight_space = make_weight_space();
     for (auto strip = strips_.rbegin(); strip != strips_.rend(); ++strip) {
       const at::Tensor s = strip == strips_.rbegin() && last_strip_in_workspace_
@@ -364,7 +586,7 @@ class StripPasses {
   // each row ends at its strip's M; positive_band_kernel then scales every
   // row to LSE_N and adds the positive pairs.
   at::Tensor loss_and_gradient(at::Tensor& loss) {
-    TORCH_INTERNAL_ASSERT(symmetric_);
+    TORCH_INTERNAL_ASSERT(symmetric_ && !tensor_cores_);
     const auto stream = c10::cuda::getCurrentCUDAStream();
     const int64_t batch = rows_.size();
     const int64_t dim = rows_.features.size(1);
@@ -407,6 +629,53 @@ class StripPasses {
   }
 
  private:
+  // float16/bfloat16 features the tensor-core kernels can take (mma_tiles.cuh).
+  static bool use_tensor_cores(const KernelRows& rows, const KernelRows& cols) {
+    if constexpr (kHasMmaTiles<scalar_t>) {
+      return mma_tiles_apply(tile_lse_kernel<scalar_t>, rows.features) &&
+          mma_tiles_apply(tile_lse_kernel<scalar_t>, cols.features) &&
+          mma_tiles_apply(tile_weights_kernel<scalar_t>, rows.features);
+    } else {
+      return false;
+    }
+  }
+
+  // The loss pass on the tensor cores: one launch over every tile, (tiles, 4)
+  // partials in float32.
+  at::Tensor tile_lse_partials() {
+    at::Tensor partials;
+    if constexpr (kHasMmaTiles<scalar_t>) {
+      const int64_t row_tiles = (rows_.size() + kMmaTile - 1) / kMmaTile;
+      const int64_t col_tiles = (cols_.size() + kMmaTile - 1) / kMmaTile;
+      const int64_t tiles = symmetric_ ? row_tiles * (row_tiles + 1) / 2 : row_tiles * col_tiles;
+      partials = at::empty({tiles, 4}, rows_.features.options().dtype(at::kFloat));
+      if (tiles > 0) {
+        tile_lse_kernel<scalar_t><<<static_cast<unsigned>(tiles), kMmaThreads, kMmaSharedBytes,
+                                    c10::cuda::getCurrentCUDAStream()>>>(
+            rows_.features.data_ptr<scalar_t>(), rows_.labels.data_ptr<int64_t>(), rows_.size(),
+            cols_.features.data_ptr<scalar_t>(), cols_.labels.data_ptr<int64_t>(), cols_.size(), rows_.dim(),
+            symmetric_, logit_, partials.data_ptr<float>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    }
+    return partials;
+  }
+
+  // tile_weights_kernel over a strip; returns its (rows, cols) weights.
+  at::Tensor launch_tile_weights(const Strip& strip, const double* scalars) {
+    const at::Tensor weights = workspace_.narrow(0, 0, strip.rows * strip.cols).view({strip.rows, strip.cols});
+    if constexpr (kHasMmaTiles<scalar_t>) {
+      const dim3 grid(static_cast<unsigned>((strip.cols + kMmaTile - 1) / kMmaTile),
+                      static_cast<unsigned>((strip.rows + kMmaTile - 1) / kMmaTile));
+      tile_weights_kernel<scalar_t><<<grid, kMmaThreads, kMmaSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
+          rows_.features.data_ptr<scalar_t>() + strip.row0 * rows_.dim(), row_labels(strip), strip.rows,
+          cols_.features.data_ptr<scalar_t>() + strip.col0 * cols_.dim(), col_labels(strip), strip.cols, rows_.dim(),
+          logit_, scalars, weights.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    return weights;
+  }
+
   const int64_t* row_labels(const Strip& strip) const { return rows_.labels.data_ptr<int64_t>() + strip.row0; }
   const int64_t* col_labels(const Strip& strip) const { return cols_.labels.data_ptr<int64_t>() + strip.col0; }
 
@@ -477,9 +746,10 @@ class StripPasses {
   const KernelRows& cols_;
   bool symmetric_;
   PairLogit<acc_t> logit_;
+  bool tensor_cores_; // S formed and consumed in registers (mma_tiles.cuh)
   std::vector<Strip> strips_;
   int sms_;
-  at::Tensor workspace_; // (largest strip,) in acc_t
+  at::Tensor workspace_; // (largest strip,): S in acc_t, or with tensor_cores_ the weights in scalar_t
   bool last_strip_in_workspace_ = false;
 };
 
