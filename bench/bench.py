@@ -290,6 +290,30 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def gemm_table(rows) -> str:
+    """Markdown table of both ops in GEMM-equivalents (time over F·Fᵀ's in
+    this run), one line per (B, mode), one column per label distribution."""
+    by_key = {(r["method"], r["B"], r.get("classes"), r["mode"]): r for r in rows}
+    distributions = list(dict.fromkeys(r["classes"] for r in rows if r["method"] == "op"))
+    lines = [
+        "| B | mode | " + " | ".join(f"{c} classes" for c in distributions) + " |",
+        "|---|---|" + "---|" * len(distributions),
+    ]
+
+    def equivalents(method, batch, classes, mode):
+        op, gemm_row = by_key.get((method, batch, classes, mode)), by_key.get(("GEMM F·Fᵀ", batch, classes, "fwd"))
+        if not op or not gemm_row or "seconds" not in op or "seconds" not in gemm_row:
+            return "—"
+        return f"{op['seconds'] / gemm_row['seconds']:.2f}"
+
+    for batch in sorted({r["B"] for r in rows if r["method"] == "op"}):
+        for mode in ("fwd", "fwd+bwd"):
+            cells = [f"{equivalents('op', batch, c, mode)} / {equivalents('anchor', batch, c, mode)}"
+                     for c in distributions]
+            lines.append(f"| {batch} | {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows, path: Path) -> None:
     try:
         import matplotlib
@@ -371,7 +395,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows = run(args)
     env = environment(args)
-    md = table(rows)
+    md = table(rows) + "\n\nGEMM-equivalents, circle::loss / anchor_loss:\n\n" + gemm_table(rows)
     print()
     print(" ".join(f"{k}={v}" for k, v in env.items()))
     print(md)
