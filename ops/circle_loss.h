@@ -149,7 +149,37 @@ struct LseState {
   }
 };
 
-using LseAccumulator = LseState<double>;
+// The LSE states of both pair sets over some pairs: the record in which
+// partial results (a tile's, a CTA's, a row's, a rank's) pass through memory,
+// as 4 values (max_P, Σ_P, max_N, Σ_N). Records of an (n, 4) array are read
+// and written through at and store_at, nowhere by hand.
+template <typename T>
+struct PairStates {
+  static constexpr int kValues = 4;
+
+  LseState<T> positive;
+  LseState<T> negative;
+
+  template <typename From>
+  CIRCLE_LOSS_HOST_DEVICE static inline PairStates at(const From* records, int64_t index) {
+    const From* r = records + kValues * index;
+    return {{static_cast<T>(r[0]), static_cast<T>(r[1])}, {static_cast<T>(r[2]), static_cast<T>(r[3])}};
+  }
+
+  CIRCLE_LOSS_HOST_DEVICE inline void merge(const PairStates& other) {
+    positive.merge(other.positive.max, other.positive.sum);
+    negative.merge(other.negative.max, other.negative.sum);
+  }
+
+  template <typename To>
+  CIRCLE_LOSS_HOST_DEVICE inline void store_at(To* records, int64_t index) const {
+    To* r = records + kValues * index;
+    r[0] = static_cast<To>(positive.max);
+    r[1] = static_cast<To>(positive.sum);
+    r[2] = static_cast<To>(negative.max);
+    r[3] = static_cast<To>(negative.sum);
+  }
+};
 
 // What the two set-wise log-sum-exps give: the loss and the factor
 // 2·sigmoid(Z) by which each pair's softmax weight times slope enters
@@ -166,6 +196,10 @@ struct LossScalars {
     out[1] = lse_negative;
     out[2] = loss;
     out[3] = grad_scale;
+  }
+
+  CIRCLE_LOSS_HOST_DEVICE static inline LossScalars load(const double* in) {
+    return {in[0], in[1], in[2], in[3]};
   }
 };
 

@@ -21,6 +21,17 @@ def loss_and_grad(features, labels):
     return loss, grad
 
 
+def assert_op_matches_reference(batch, dim, classes, dtype):
+    """Loss and gradient of fresh inputs against the reference; the loss-only
+    call, whose kernels fold the same partials, gives the same loss bits."""
+    features, labels = make_inputs(batch, dim, classes, "cuda", dtype)
+    x = features.clone().requires_grad_()
+    loss, grad = loss_and_grad(x, labels)
+    assert_matches_reference(loss, grad, features, labels)
+    with torch.no_grad():
+        assert torch.equal(torch.ops.circle.loss(features, labels), loss)
+
+
 # 4500: several strips (below); bfloat16: the tensor-core tiles
 @pytest.mark.parametrize("batch,dtype", [(1, torch.float32), (200, torch.float32), (700, torch.float32),
                                          (4500, torch.float32), (4500, torch.bfloat16)])
@@ -99,12 +110,7 @@ def test_non_default_device_index_and_non_contiguous():
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, BFLOAT16])
 @pytest.mark.sanitize
 def test_small_batch_path_edges(batch, dim, dtype):
-    features, labels = make_inputs(batch, dim, 11, "cuda", dtype)
-    x = features.clone().requires_grad_()
-    loss, grad = loss_and_grad(x, labels)
-    assert_matches_reference(loss, grad, features, labels)
-    with torch.no_grad():  # the loss-only kernels fold the same partials alike
-        assert torch.equal(torch.ops.circle.loss(features, labels), loss)
+    assert_op_matches_reference(batch, dim, 11, dtype)
 
 
 # The small path copies rows as 16-byte vectors where they are aligned and
@@ -131,12 +137,7 @@ def test_small_batch_alignment_and_gamma_sign(gamma, aligned):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, BFLOAT16])
 @pytest.mark.sanitize
 def test_several_strips_match_reference(dtype):
-    features, labels = make_inputs(4500, 24, 60, "cuda", dtype)
-    x = features.clone().requires_grad_()
-    loss, grad = loss_and_grad(x, labels)
-    assert_matches_reference(loss, grad, features, labels)
-    with torch.no_grad():  # the loss-only path takes the same first pass
-        assert torch.equal(torch.ops.circle.loss(features, labels), loss)
+    assert_op_matches_reference(4500, 24, 60, dtype)
 
 
 def test_block_ops_over_several_strips():
@@ -160,12 +161,7 @@ def test_block_ops_over_several_strips():
 @pytest.mark.parametrize("dtype", [FLOAT16, BFLOAT16])
 @pytest.mark.sanitize
 def test_tensor_core_tiles_match_reference(batch, dim, dtype):
-    features, labels = make_inputs(batch, dim, 13, "cuda", dtype)
-    x = features.clone().requires_grad_()
-    loss, grad = loss_and_grad(x, labels)
-    assert_matches_reference(loss, grad, features, labels)
-    with torch.no_grad():  # the loss-only call takes the same loss pass
-        assert torch.equal(torch.ops.circle.loss(features, labels), loss)
+    assert_op_matches_reference(batch, dim, 13, dtype)
 
 
 @pytest.mark.parametrize("dtype", [FLOAT16, BFLOAT16])
@@ -188,21 +184,6 @@ def test_tensor_core_loss_pass():
         with torch.no_grad():
             loss = torch.ops.circle.loss(features, labels)
         assert_matches_reference(loss, None, features, labels)
-
-
-# The block ops take rectangular products on the tensor cores, as the ring of
-# circle_loss.distributed calls them.
-@pytest.mark.parametrize("dtype", [FLOAT16, BFLOAT16])
-@pytest.mark.sanitize
-def test_tensor_core_block_ops(dtype):
-    features, labels = make_inputs(1900, 72, 17, "cuda", dtype)
-    parts = [(features[:700], labels[:700]), (features[700:], labels[700:])]
-    partials = torch.stack([torch.ops.circle._lse_partials(r, rl, c, cl, 0.25, 256.0)
-                            for r, rl in parts for c, cl in parts])
-    scalars = torch.ops.circle._lse_finish(partials)
-    grad = torch.cat([sum(torch.ops.circle._block_grad(r, rl, c, cl, scalars, 0.25, 256.0) for c, cl in parts)
-                      for r, rl in parts])
-    assert_matches_reference(scalars[2].to(dtype), grad.to(dtype), features, labels)
 
 
 def plant_pair(features, first, second, similarity):

@@ -34,7 +34,7 @@ namespace {
 using namespace cpu;
 
 // Each row's LSE states of (positive, negative) pairs.
-using RowStates = std::vector<std::array<LseAccumulator, 2>>;
+using RowStates = std::vector<PairStates<double>>;
 
 // A tile of pairs rows × cols and their logits. `diagonal`: a diagonal tile
 // of the symmetric case, whose pairs (i, i) belong to no set; their logits
@@ -85,8 +85,6 @@ struct PairTile {
 // running value per row would chain every step to the last).
 constexpr int64_t kLanes = 16;
 
-constexpr int kPositive = 0;
-constexpr int kNegative = 1;
 
 // exp(z - m) with m the max of z's set, max_pos or max_neg indexed by z's row
 // (by_row) or column; 0 for z = -inf. As max_ratio: a logit equal to its
@@ -123,7 +121,7 @@ at::Tensor shifted_exp(const PairTile<T>& tile, const T* max_pos, const T* max_n
 // Merges the LSE states of the tile's rows into states[0, R): the maxima,
 // then the sums of exp(z - max).
 template <typename T>
-void merge_row_states(const PairTile<T>& tile, std::array<LseAccumulator, 2>* states) {
+void merge_row_states(const PairTile<T>& tile, PairStates<double>* states) {
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   const int64_t n_rows = tile.rows, n_cols = tile.cols;
   const int32_t* __restrict__ y = tile.col_ids;
@@ -176,15 +174,15 @@ void merge_row_states(const PairTile<T>& tile, std::array<LseAccumulator, 2>* st
       sum_pos += lane_pos[k];
       sum_neg += lane_neg[k];
     }
-    states[i][kPositive].merge(row_max_pos[i], sum_pos);
-    states[i][kNegative].merge(row_max_neg[i], sum_neg);
+    states[i].positive.merge(row_max_pos[i], sum_pos);
+    states[i].negative.merge(row_max_neg[i], sum_neg);
   }
 }
 
 // Merges the LSE states of the tile's columns into states[0, C), running
 // down the rows with one value per column: elementwise over each row.
 template <typename T>
-void merge_column_states(const PairTile<T>& tile, std::array<LseAccumulator, 2>* states) {
+void merge_column_states(const PairTile<T>& tile, PairStates<double>* states) {
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   const int64_t n_rows = tile.rows, n_cols = tile.cols;
   const int32_t* __restrict__ y = tile.col_ids;
@@ -217,8 +215,8 @@ void merge_column_states(const PairTile<T>& tile, std::array<LseAccumulator, 2>*
     }
   }
   for (int64_t j = 0; j < n_cols; ++j) {
-    states[j][kPositive].merge(max_pos[j], sum_pos[j]);
-    states[j][kNegative].merge(max_neg[j], sum_neg[j]);
+    states[j].positive.merge(max_pos[j], sum_pos[j]);
+    states[j].negative.merge(max_neg[j], sum_neg[j]);
   }
 }
 
@@ -347,7 +345,7 @@ RowStates row_states_symmetric(const at::Tensor& f, const int32_t* ids, const Pa
     if (round != 0) merge_column_states(tile, by_col.data() + bj * kTile);
   });
   for (int64_t i = 0; i < batch; ++i) {
-    for (int s = 0; s < 2; ++s) by_row[i][s].merge(by_col[i][s].max, by_col[i][s].sum);
+    by_row[i].merge(by_col[i]);
   }
   return by_row;
 }
@@ -420,8 +418,8 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_cpu(
     scalar_t* lse = row_lse.data_ptr<scalar_t>();
     std::vector<double> values(batch);
     for (int64_t i = 0; i < batch; ++i) {
-      const double lse_positive = states[i][0].lse();
-      const double lse_negative = states[i][1].lse();
+      const double lse_positive = states[i].positive.lse();
+      const double lse_negative = states[i].negative.lse();
       lse[2 * i] = static_cast<scalar_t>(lse_positive);
       lse[2 * i + 1] = static_cast<scalar_t>(lse_negative);
       values[i] = anchor_row_loss(lse_positive, lse_negative);

@@ -34,7 +34,7 @@ using namespace cpu;
 // over j (a running scalar would chain each step to the last and defeat
 // vectorisation); the columns are folded together at the end, in order.
 template <typename T>
-std::array<LseAccumulator, 2> tile_lse(
+PairStates<double> tile_lse(
     const at::Tensor& rows, // (R, D)
     const int32_t* row_labels, // (R,)
     const at::Tensor& cols, // (C, D)
@@ -105,9 +105,9 @@ std::array<LseAccumulator, 2> tile_lse(
     sum_pos += col_sum_pos[j];
     sum_neg += col_sum_neg[j];
   }
-  std::array<LseAccumulator, 2> out;
-  out[0].merge(max_pos, sum_pos * multiplicity);
-  out[1].merge(max_neg, sum_neg * multiplicity);
+  PairStates<double> out;
+  out.positive.merge(max_pos, sum_pos * multiplicity);
+  out.negative.merge(max_neg, sum_neg * multiplicity);
   return out;
 }
 
@@ -116,7 +116,7 @@ std::array<LseAccumulator, 2> tile_lse(
 // (rows and cols are the same tensor) only tiles on and above the diagonal
 // are computed, off-diagonal ones counted twice.
 template <typename T>
-std::array<LseAccumulator, 2> lse_over_tiles(
+PairStates<double> lse_over_tiles(
     const at::Tensor& rows, // (R, D)
     const int32_t* row_labels, // (R,)
     const at::Tensor& cols, // (C, D)
@@ -131,7 +131,7 @@ std::array<LseAccumulator, 2> lse_over_tiles(
       tiles.emplace_back(bi, bj);
     }
   }
-  std::vector<std::array<LseAccumulator, 2>> partial(tiles.size());
+  std::vector<PairStates<double>> partial(tiles.size());
   for_each_task(static_cast<int64_t>(tiles.size()), [&](int64_t t) {
     const auto [bi, bj] = tiles[t];
     const int64_t r0 = bi * kTile;
@@ -141,10 +141,9 @@ std::array<LseAccumulator, 2> lse_over_tiles(
         cols.narrow(0, c0, std::min(kTile, n_cols - c0)), col_labels + c0,
         logit, (symmetric && bi != bj) ? 2.0 : 1.0);
   });
-  std::array<LseAccumulator, 2> total;
+  PairStates<double> total;
   for (const auto& p : partial) {
-    total[0].merge(p[0].max, p[0].sum);
-    total[1].merge(p[1].max, p[1].sum);
+    total.merge(p);
   }
   return total;
 }
@@ -283,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor> loss_and_grad_cpu(
     const int32_t* y = ids.data_ptr<int32_t>();
     const auto logit = pair_logit<scalar_t>(margin, gamma);
     const auto lse = lse_over_tiles<scalar_t>(f, y, f, y, logit, true);
-    const LossScalars scalars = finish_loss(lse[0].lse(), lse[1].lse());
+    const LossScalars scalars = finish_loss(lse.positive.lse(), lse.negative.lse());
     loss = scalars.loss;
     if (with_grad) grad = symmetric_gradient<scalar_t>(f, y, logit, scalars).to(features.scalar_type());
   });
@@ -318,11 +317,7 @@ at::Tensor lse_partials_cpu(
   AT_DISPATCH_FLOATING_TYPES(r.scalar_type(), "circle_lse_partials_cpu", [&] {
     const auto lse = lse_over_tiles<scalar_t>(
         r, ids[0].data_ptr<int32_t>(), c, ids[1].data_ptr<int32_t>(), pair_logit<scalar_t>(margin, gamma), false);
-    double* o = out.data_ptr<double>();
-    o[0] = lse[0].max;
-    o[1] = lse[0].sum;
-    o[2] = lse[1].max;
-    o[3] = lse[1].sum;
+    lse.store_at(out.data_ptr<double>(), 0);
   });
   return out;
 }
@@ -330,14 +325,12 @@ at::Tensor lse_partials_cpu(
 at::Tensor lse_finish_cpu(const at::Tensor& partials) { // (n, 4)
   check_partials(partials);
   const at::Tensor p = partials.contiguous();
-  const double* ps = p.data_ptr<double>();
-  std::array<LseAccumulator, 2> total;
+  PairStates<double> total;
   for (int64_t i = 0; i < p.size(0); ++i) {
-    total[0].merge(ps[4 * i], ps[4 * i + 1]);
-    total[1].merge(ps[4 * i + 2], ps[4 * i + 3]);
+    total.merge(PairStates<double>::at(p.data_ptr<double>(), i));
   }
   at::Tensor out = at::empty({4}, partials.options());
-  finish_loss(total[0].lse(), total[1].lse()).store(out.data_ptr<double>());
+  finish_loss(total.positive.lse(), total.negative.lse()).store(out.data_ptr<double>());
   return out;
 }
 
@@ -355,9 +348,7 @@ at::Tensor block_grad_cpu(
   const at::Tensor r = rows.to(compute_dtype(rows)).contiguous();
   const at::Tensor c = cols.to(compute_dtype(cols)).contiguous();
   const auto ids = class_ids({row_labels, col_labels});
-  const at::Tensor s = scalars.contiguous();
-  const double* sv = s.data_ptr<double>();
-  const LossScalars loss_scalars{sv[0], sv[1], sv[2], sv[3]};
+  const LossScalars loss_scalars = LossScalars::load(scalars.contiguous().data_ptr<double>());
   at::Tensor grad;
   AT_DISPATCH_FLOATING_TYPES(r.scalar_type(), "circle_block_grad_cpu", [&] {
     grad = block_gradient<scalar_t>(

@@ -35,22 +35,14 @@
 namespace circle_loss {
 namespace {
 
-// A row's running LSE states, as (max_P, Σ_P, max_N, Σ_N) in acc_t.
+// Merges (positive, negative) into row `row` of the running states (B, 4).
 template <typename T>
-struct RowStateRecord {
-  T* values;
-
-  __device__ __forceinline__ void merge(const LseState<T>& positive, const LseState<T>& negative) const {
-    LseState<T> p{values[0], values[1]};
-    LseState<T> n{values[2], values[3]};
-    p.merge(positive.max, positive.sum);
-    n.merge(negative.max, negative.sum);
-    values[0] = p.max;
-    values[1] = p.sum;
-    values[2] = n.max;
-    values[3] = n.sum;
-  }
-};
+__device__ __forceinline__ void merge_row_state(T* states, int64_t row, const LseState<T>& positive, const LseState<T>& negative) {
+  PairStates<T> state = PairStates<T>::at(states, row);
+  state.positive.merge(positive.max, positive.sum);
+  state.negative.merge(negative.max, negative.sum);
+  state.store_at(states, row);
+}
 
 // What the backward needs of a row: its two LSEs and g_i·σ(Z_i) (0 where
 // the row's loss is identically 0), as (LSE_P, LSE_N, factor) in acc_t.
@@ -113,7 +105,7 @@ __global__ void __launch_bounds__(kThreads) row_states_kernel(
     }
   }
   block_fold<kThreads>(positive, negative, scratch);
-  if (threadIdx.x == 0) RowStateRecord<acc_t>{states + 4 * r}.merge(positive, negative);
+  if (threadIdx.x == 0) merge_row_state(states, r, positive, negative);
 }
 
 // Columns [first_col, cols) of a symmetric strip: a CTA takes kColumnsPerCta
@@ -166,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) column_states_kernel(
       p.merge(folded[w][0][lane], folded[w][1][lane]);
       n.merge(folded[w][2][lane], folded[w][3][lane]);
     }
-    RowStateRecord<acc_t>{states + 4 * (c - first_col)}.merge(p, n);
+    merge_row_state(states, c - first_col, p, n);
   }
 }
 
@@ -179,10 +171,9 @@ __global__ void __launch_bounds__(kThreads) finish_rows_kernel(
     acc_t* __restrict__ row_lse) { // (B, 2)
   const int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
   if (i >= batch) return;
-  const LseState<acc_t> positive{states[4 * i], states[4 * i + 1]};
-  const LseState<acc_t> negative{states[4 * i + 2], states[4 * i + 3]};
-  const acc_t lse_positive = positive.lse();
-  const acc_t lse_negative = negative.lse();
+  const PairStates<acc_t> state = PairStates<acc_t>::at(states, i);
+  const acc_t lse_positive = state.positive.lse();
+  const acc_t lse_negative = state.negative.lse();
   row_lse[2 * i] = lse_positive;
   row_lse[2 * i + 1] = lse_negative;
   losses[i] = static_cast<scalar_t>(static_cast<acc_t>(anchor_row_loss(lse_positive, lse_negative)));
@@ -280,14 +271,14 @@ class AnchorPasses {
       const at::Tensor s = strip_similarities(q_, r_, strip, workspace_);
       row_states_kernel<acc_t><<<static_cast<unsigned>(strip.rows), kThreads, 0, stream>>>(
           s.data_ptr<acc_t>(), strip.cols, row_labels(strip), col_labels(strip), self_, logit_,
-          state + 4 * strip.row0);
+          state + PairStates<acc_t>::kValues * strip.row0);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       const int64_t beyond = strip.cols - strip.rows; // columns right of the diagonal block
       if (self_ && beyond > 0) {
         const auto blocks = static_cast<unsigned>((beyond + kColumnsPerCta - 1) / kColumnsPerCta);
         column_states_kernel<acc_t><<<blocks, kThreads, 0, stream>>>(
             s.data_ptr<acc_t>(), strip.rows, strip.cols, strip.rows, row_labels(strip), col_labels(strip), logit_,
-            state + 4 * (strip.row0 + strip.rows));
+            state + PairStates<acc_t>::kValues * (strip.row0 + strip.rows));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     }

@@ -84,11 +84,7 @@ __global__ void __launch_bounds__(kThreads) strip_lse_kernel(
   });
   block_fold<kThreads>(positive, negative, scratch);
   if (threadIdx.x == 0) {
-    acc_t* out = partials + 4 * (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x);
-    out[0] = positive.max;
-    out[1] = positive.sum;
-    out[2] = negative.max;
-    out[3] = negative.sum;
+    PairStates<acc_t>{positive, negative}.store_at(partials, static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x);
   }
 }
 
@@ -110,9 +106,10 @@ __global__ void __launch_bounds__(kThreads) strip_weights_kernel(
     const acc_t* __restrict__ negative_max, // () or null
     weight_t* weights) { // (rows, cols)
   const bool negatives_only = negative_max != nullptr;
-  const acc_t lse_positive = negatives_only ? acc_t(0) : static_cast<acc_t>(scalars[0]);
-  const acc_t lse_negative = negatives_only ? *negative_max : static_cast<acc_t>(scalars[1]);
-  const acc_t scale = negatives_only ? acc_t(1) : static_cast<acc_t>(scalars[3]);
+  const LossScalars loss = negatives_only ? LossScalars{} : LossScalars::load(scalars);
+  const acc_t lse_positive = static_cast<acc_t>(loss.lse_positive);
+  const acc_t lse_negative = negatives_only ? *negative_max : static_cast<acc_t>(loss.lse_negative);
+  const acc_t scale = negatives_only ? acc_t(1) : static_cast<acc_t>(loss.grad_scale);
   for_each_entry(s, rows, cols, row_labels, col_labels, [&](int64_t r, int64_t c, acc_t s_rc, bool is_positive) {
     acc_t slope;
     const acc_t z = logit(s_rc, is_positive, &slope);
@@ -131,16 +128,9 @@ __device__ __forceinline__ void tile_position(bool symmetric, int64_t col_tiles,
     *tj = t % col_tiles;
     return;
   }
-  // Row i starts at i·n - i·(i - 1)/2; the estimate from the quadratic's
-  // root is off by at most one either way in double precision.
-  const double n = static_cast<double>(col_tiles);
-  int64_t i = static_cast<int64_t>((2.0 * n + 1.0 - sqrt((2.0 * n + 1.0) * (2.0 * n + 1.0) - 8.0 * t)) / 2.0);
-  const auto row_start = [&](int64_t r) { return r * col_tiles - r * (r - 1) / 2; };
-  i = max(int64_t{0}, min(i, col_tiles - 1));
-  while (i > 0 && row_start(i) > t) --i;
-  while (i + 1 < col_tiles && row_start(i + 1) <= t) ++i;
-  *ti = i;
-  *tj = i + (t - row_start(i));
+  const TilePosition<int64_t> tile = upper_triangle_tile(t, col_tiles);
+  *ti = tile.row;
+  *tj = tile.col;
 }
 
 // The tensor-core epilogues take exp from the special-function unit
@@ -171,41 +161,21 @@ __device__ __forceinline__ void tile_entry_states(
       return r >= valid_rows || c >= valid_cols ? 0.0f : !diagonal ? 1.0f : c > r ? 1.0f : c == r ? 0.5f : 0.0f;
     }
   };
-#pragma unroll
-  for (int mi = 0; mi < kMmaRowTiles; ++mi) {
-#pragma unroll
-    for (int ni = 0; ni < kMmaColTiles; ++ni) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = TileAccumulators::row_of(mi, e);
-        const int c = TileAccumulators::col_of(ni, e);
-        const bool is_positive = labels.positive(r, c);
-        float& s = tile.acc[mi][ni][e];
-        float slope;
-        s = logit(s, is_positive, &slope);
-        if (weight_of(r, c) == 0.0f) continue;
-        float& largest = is_positive ? positive.max : negative.max;
-        largest = nan_max(largest, s);
-      }
-    }
-  }
-#pragma unroll
-  for (int mi = 0; mi < kMmaRowTiles; ++mi) {
-#pragma unroll
-    for (int ni = 0; ni < kMmaColTiles; ++ni) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = TileAccumulators::row_of(mi, e);
-        const int c = TileAccumulators::col_of(ni, e);
-        const float weight = weight_of(r, c);
-        const bool is_positive = labels.positive(r, c);
-        const float z = tile.acc[mi][ni][e];
-        if (weight == 0.0f) continue;
-        const float largest = is_positive ? positive.max : negative.max;
-        (is_positive ? positive.sum : negative.sum) += z == largest ? weight : weight * __expf(z - largest);
-      }
-    }
-  }
+  tile.for_each([&](float& s, int r, int c) {
+    const bool is_positive = labels.positive(r, c);
+    float slope;
+    s = logit(s, is_positive, &slope); // the entry now holds its logit
+    if (weight_of(r, c) == 0.0f) return;
+    float& largest = is_positive ? positive.max : negative.max;
+    largest = nan_max(largest, s);
+  });
+  tile.for_each([&](float z, int r, int c) {
+    const float weight = weight_of(r, c);
+    if (weight == 0.0f) return;
+    const bool is_positive = labels.positive(r, c);
+    const float largest = is_positive ? positive.max : negative.max;
+    (is_positive ? positive.sum : negative.sum) += z == largest ? weight : weight * __expf(z - largest);
+  });
 }
 
 // partials[blockIdx] = (max_P, Σ_P, max_N, Σ_N) of one kMmaTile² tile of
@@ -249,11 +219,9 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
   block_fold<kMmaThreads>(positive, negative, scratch);
   if (threadIdx.x == 0) {
     const float off_diagonal = symmetric ? 2.0f : 1.0f; // the weight the sums are relative to
-    float* out = partials + 4 * static_cast<int64_t>(blockIdx.x);
-    out[0] = positive.max;
-    out[1] = positive.sum * off_diagonal;
-    out[2] = negative.max;
-    out[3] = negative.sum * off_diagonal;
+    positive.sum *= off_diagonal;
+    negative.sum *= off_diagonal;
+    PairStates<float>{positive, negative}.store_at(partials, blockIdx.x);
   }
 }
 
@@ -284,27 +252,19 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
   TileAccumulators tile;
   multiply_tile(tile, rows, n_rows, row0, cols, n_cols, col0, dim, reinterpret_cast<T*>(stages));
   __syncthreads(); // the labels, also where dim gives the main loop no step
-  const float lse_positive = static_cast<float>(scalars[0]);
-  const float lse_negative = static_cast<float>(scalars[1]);
-  const float scale = static_cast<float>(scalars[3]);
+  const LossScalars loss = LossScalars::load(scalars);
+  const float lse_positive = static_cast<float>(loss.lse_positive);
+  const float lse_negative = static_cast<float>(loss.lse_negative);
+  const float scale = static_cast<float>(loss.grad_scale);
   T* staged = reinterpret_cast<T*>(stages);
   __syncthreads(); // every warp is done with the stages
-#pragma unroll
-  for (int mi = 0; mi < kMmaRowTiles; ++mi) {
-#pragma unroll
-    for (int ni = 0; ni < kMmaColTiles; ++ni) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = TileAccumulators::row_of(mi, e);
-        const int c = TileAccumulators::col_of(ni, e);
-        const bool is_positive = labels.positive(r, c);
-        float slope;
-        const float z = logit(tile.acc[mi][ni][e], is_positive, &slope);
-        const float w = scale * __expf(z - (is_positive ? lse_positive : lse_negative)) * slope;
-        staged[r * kStride + c] = static_cast<T>(w);
-      }
-    }
-  }
+  tile.for_each([&](float s, int r, int c) {
+    const bool is_positive = labels.positive(r, c);
+    float slope;
+    const float z = logit(s, is_positive, &slope);
+    const float w = scale * __expf(z - (is_positive ? lse_positive : lse_negative)) * slope;
+    staged[r * kStride + c] = static_cast<T>(w);
+  });
   __syncthreads();
   constexpr int kChunks = kMmaTile * kMmaTile / kVec<T>;
   const bool whole_chunks = n_cols % kVec<T> == 0 && reinterpret_cast<uintptr_t>(weights) % 16 == 0;
@@ -336,7 +296,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) running_max_kernel(
   __shared__ acc_t shared[kFinalizeThreads];
   acc_t largest = strip > 0 ? negative_max[strip - 1] : -std::numeric_limits<acc_t>::infinity();
   for (int64_t t = threadIdx.x; t < n; t += kFinalizeThreads) {
-    largest = nan_max(largest, partials[4 * t + 2]);
+    largest = nan_max(largest, PairStates<acc_t>::at(partials, t).negative.max);
   }
   shared[threadIdx.x] = largest;
   __syncthreads();
@@ -418,9 +378,10 @@ __global__ void __launch_bounds__(kThreads, 2) positive_band_kernel(
   __shared__ acc_t weight[kBandRows][kBandCols];
   const int64_t p0 = blockIdx.x * static_cast<int64_t>(kBandRows);
   const int rows = static_cast<int>(std::min<int64_t>(kBandRows, batch - p0));
-  const acc_t lse_positive = static_cast<acc_t>(scalars[0]);
-  const acc_t lse_negative = static_cast<acc_t>(scalars[1]);
-  const acc_t scale = static_cast<acc_t>(scalars[3]);
+  const LossScalars loss = LossScalars::load(scalars);
+  const acc_t lse_positive = static_cast<acc_t>(loss.lse_positive);
+  const acc_t lse_negative = static_cast<acc_t>(loss.lse_negative);
+  const acc_t scale = static_cast<acc_t>(loss.grad_scale);
   if (threadIdx.x < rows) row_of[threadIdx.x] = order[p0 + threadIdx.x];
   if (threadIdx.x == 0) {
     span[0] = search_sorted(sorted_labels, batch, sorted_labels[p0], /*strictly_above=*/false);
@@ -521,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, 2) positive_band_kernel(
 template <typename scalar_t>
 class StripPasses {
  public:
-  using acc_t = typename Acc<scalar_t>::type;
+  using acc_t = at::opmath_type<scalar_t>;
 
   StripPasses(const KernelRows& rows, const KernelRows& cols, bool symmetric, double margin, double gamma)
       : rows_(rows),
@@ -600,7 +561,7 @@ class StripPasses {
       const at::Tensor s = strip_similarities(rows_, cols_, strip, workspace_);
       const int64_t n = launch_strip_lse(strip, s, partials, offset);
       running_max_kernel<acc_t><<<1, kFinalizeThreads, 0, stream>>>(
-          partials.data_ptr<acc_t>() + 4 * offset, n, negative_max.data_ptr<acc_t>(), k);
+          partials.data_ptr<acc_t>() + PairStates<acc_t>::kValues * offset, n, negative_max.data_ptr<acc_t>(), k);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       offset += n;
       const bool first = k == 0; // writes every row: no fill, no rescale
@@ -694,7 +655,7 @@ class StripPasses {
     const dim3 grid = strip_grid(strip, sms_);
     strip_lse_kernel<acc_t><<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         s.data_ptr<acc_t>(), strip.rows, strip.cols, row_labels(strip), col_labels(strip), symmetric_, logit_,
-        partials.data_ptr<acc_t>() + 4 * offset);
+        partials.data_ptr<acc_t>() + PairStates<acc_t>::kValues * offset);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return static_cast<int64_t>(grid.x) * grid.y;
   }
@@ -756,7 +717,7 @@ class StripPasses {
 // (LSE_P, LSE_N, loss, 2σ(Z)) as a float64 device tensor; writes the loss.
 template <typename scalar_t>
 at::Tensor loss_scalars(StripPasses<scalar_t>& passes, const at::Tensor& features, at::Tensor& loss) {
-  using acc_t = typename Acc<scalar_t>::type;
+  using acc_t = at::opmath_type<scalar_t>;
   const at::Tensor partials = passes.lse_partials();
   at::Tensor scalars = at::empty({4}, features.options().dtype(at::kDouble));
   launch_finalize<kFinalizeThreads>(
@@ -764,55 +725,50 @@ at::Tensor loss_scalars(StripPasses<scalar_t>& passes, const at::Tensor& feature
   return scalars;
 }
 
-at::Tensor loss_cuda(
+// The loss, and with with_grad dloss/dfeatures (else an undefined tensor):
+// the one entry point behind both registered kernels.
+std::tuple<at::Tensor, at::Tensor> loss_and_grad_cuda(
     const at::Tensor& features, // (B, D)
     const at::Tensor& labels, // (B,)
     double margin,
-    double gamma) {
+    double gamma,
+    bool with_grad) {
   check_inputs(features, labels, margin, gamma);
   const NoAutocast no_autocast;
   const c10::cuda::CUDAGuard guard(features.device());
   const KernelRows block = kernel_rows(features, labels);
   if (fits_small_batch(block.size(), block.dim())) {
-    return small_batch_loss(block.features, block.labels, margin, gamma);
-  }
-  at::Tensor loss = at::empty({}, features.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_loss_cuda", [&] {
-    StripPasses<scalar_t> passes(block, block, /*symmetric=*/true, margin, gamma);
-    loss_scalars(passes, features, loss);
-  });
-  return loss;
-}
-
-std::tuple<at::Tensor, at::Tensor> loss_with_grad_cuda(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    double margin,
-    double gamma) {
-  check_inputs(features, labels, margin, gamma);
-  const NoAutocast no_autocast;
-  const c10::cuda::CUDAGuard guard(features.device());
-  const KernelRows block = kernel_rows(features, labels);
-  if (fits_small_batch(block.size(), block.dim())) {
-    return small_batch_loss_with_grad(block.features, block.labels, margin, gamma);
+    return small_batch_loss(block.features, block.labels, margin, gamma, with_grad);
   }
   at::Tensor loss = at::empty({}, features.options());
   at::Tensor grad;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_loss_with_grad_cuda", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_loss_cuda", [&] {
     StripPasses<scalar_t> passes(block, block, /*symmetric=*/true, margin, gamma);
-    at::Tensor grad_acc;
-    if constexpr (std::is_same_v<scalar_t, typename Acc<scalar_t>::type>) {
-      // float32/float64: forming S twice costs more than the one pass's
-      // positive band.
-      grad_acc = passes.strip_count() > 1 ? passes.loss_and_gradient(loss)
-                                          : passes.gradient(loss_scalars(passes, features, loss));
-    } else {
-      // float16/bfloat16 form S on tensor cores, for less than the band.
-      grad_acc = passes.gradient(loss_scalars(passes, features, loss));
+    if (!with_grad) {
+      loss_scalars(passes, features, loss);
+      return;
     }
+    // float32/float64 over several strips form S once (loss_and_gradient):
+    // that costs less than a second pass. float16/bfloat16 form S on the
+    // tensor cores, where the second pass costs less than the positive band.
+    const bool one_pass = std::is_same_v<scalar_t, at::opmath_type<scalar_t>> && passes.strip_count() > 1;
+    const at::Tensor grad_acc =
+        one_pass ? passes.loss_and_gradient(loss) : passes.gradient(loss_scalars(passes, features, loss));
     grad = grad_acc.to(features.scalar_type());
   });
   return {loss, grad};
+}
+
+at::Tensor loss_cuda(const at::Tensor& features, const at::Tensor& labels, double margin, double gamma) {
+  return std::get<0>(loss_and_grad_cuda(features, labels, margin, gamma, /*with_grad=*/false));
+}
+
+std::tuple<at::Tensor, at::Tensor> loss_with_grad_cuda(
+    const at::Tensor& features,
+    const at::Tensor& labels,
+    double margin,
+    double gamma) {
+  return loss_and_grad_cuda(features, labels, margin, gamma, /*with_grad=*/true);
 }
 
 at::Tensor lse_partials_cuda(
@@ -829,7 +785,7 @@ at::Tensor lse_partials_cuda(
   const KernelRows row_block = kernel_rows(rows, row_labels);
   const KernelRows col_block = kernel_rows(cols, col_labels);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, rows.scalar_type(), "circle_lse_partials_cuda", [&] {
-    using acc_t = typename Acc<scalar_t>::type;
+    using acc_t = at::opmath_type<scalar_t>;
     StripPasses<scalar_t> passes(row_block, col_block, /*symmetric=*/false, margin, gamma);
     const at::Tensor partials = passes.lse_partials();
     launch_finalize<kFinalizeThreads, acc_t, float>(
@@ -879,7 +835,7 @@ __global__ void __launch_bounds__(kThreads) scale_kernel(
     const scalar_t* __restrict__ factor, // ()
     int64_t n,
     scalar_t* __restrict__ out) { // (n,), 16-byte aligned
-  using acc_t = typename Acc<scalar_t>::type;
+  using acc_t = at::opmath_type<scalar_t>;
   using Vector = Packed<scalar_t, kVec<scalar_t>>;
   wait_for_prerequisites();
   const acc_t scale = static_cast<acc_t>(*factor);

@@ -7,6 +7,7 @@
 
 #include "../circle_loss.h"
 
+#include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -31,15 +32,6 @@ constexpr int kVec = 16 / sizeof(T);
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Packed {
   T v[N];
-};
-
-template <typename T>
-struct Acc {
-  using type = float; // float32, float16, bfloat16: S and the partials in float32
-};
-template <>
-struct Acc<double> {
-  using type = double;
 };
 
 template <typename T>
@@ -120,15 +112,15 @@ __device__ __forceinline__ void fold_partials(
   // Unrolled so that a thread's loads are in flight together, not one by one.
 #pragma unroll 8
   for (int64_t t = threadIdx.x; t < n; t += kBlock) {
-    positive.max = nan_max(positive.max, static_cast<T>(partials[4 * t]));
-    negative.max = nan_max(negative.max, static_cast<T>(partials[4 * t + 2]));
+    const PairStates<T> part = PairStates<T>::at(partials, t);
+    positive.max = nan_max(positive.max, part.positive.max);
+    negative.max = nan_max(negative.max, part.negative.max);
   }
 #pragma unroll 8
   for (int64_t t = threadIdx.x; t < n; t += kBlock) {
-    const LseState<T> positive_part{static_cast<T>(partials[4 * t]), static_cast<T>(partials[4 * t + 1])};
-    const LseState<T> negative_part{static_cast<T>(partials[4 * t + 2]), static_cast<T>(partials[4 * t + 3])};
-    positive.sum += rescaled_sum(positive_part, positive.max);
-    negative.sum += rescaled_sum(negative_part, negative.max);
+    const PairStates<T> part = PairStates<T>::at(partials, t);
+    positive.sum += rescaled_sum(part.positive, positive.max);
+    negative.sum += rescaled_sum(part.negative, negative.max);
   }
   block_fold<kBlock>(positive, negative, scratch);
 }
@@ -137,7 +129,7 @@ __device__ __forceinline__ void fold_partials(
 // every path rounds it.
 template <typename loss_t>
 __device__ __forceinline__ void store_loss(const LossScalars& scalars, loss_t* loss) {
-  using acc_t = typename Acc<loss_t>::type;
+  using acc_t = at::opmath_type<loss_t>;
   *loss = static_cast<loss_t>(static_cast<acc_t>(scalars.loss));
 }
 
@@ -156,12 +148,7 @@ __global__ void __launch_bounds__(kBlock) finalize_kernel(
   LseState<double> negative;
   fold_partials<kBlock>(partials, n, scratch, positive, negative);
   if (threadIdx.x == 0) {
-    if (folded != nullptr) {
-      folded[0] = positive.max;
-      folded[1] = positive.sum;
-      folded[2] = negative.max;
-      folded[3] = negative.sum;
-    }
+    if (folded != nullptr) PairStates<double>{positive, negative}.store_at(folded, 0);
     const LossScalars out = finish_loss(positive.lse(), negative.lse());
     if (scalars != nullptr) out.store(scalars);
     if (loss != nullptr) store_loss(out, loss);
@@ -173,6 +160,59 @@ void launch_finalize(const partial_t* partials, int64_t n, double* folded, doubl
   finalize_kernel<kBlock, partial_t, loss_t><<<1, kBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
       partials, n, folded, scalars, loss);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// 16 bytes from global to shared memory, zeros where `inside` is false (then
+// nothing is read; `global` must still be a valid address). From sm_80 on an
+// asynchronous copy that stages nothing in registers and lands by
+// wait_copies; before, an ordinary load and store.
+__device__ __forceinline__ void copy_16(void* shared, const void* global, bool inside) {
+#if __CUDA_ARCH__ >= 800
+  const auto address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global), "r"(inside ? 16 : 0)
+               : "memory");
+#else
+  *static_cast<uint4*>(shared) = inside ? *static_cast<const uint4*>(global) : make_uint4(0, 0, 0, 0);
+#endif
+}
+
+// Closes the group of this thread's copies issued since the last call.
+__device__ __forceinline__ void commit_copies() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most kPending of this thread's groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void wait_copies() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+// Tiles (row, col), col >= row, of an edge × edge grid, numbered row by row:
+// row r starts at r·(2·edge − r + 1)/2.
+template <typename Index>
+__device__ __forceinline__ Index upper_triangle_start(Index row, Index edge) {
+  return row * (2 * edge - row + 1) / 2;
+}
+
+template <typename Index>
+struct TilePosition {
+  Index row;
+  Index col;
+};
+
+// The tile numbered `index`: the start formula inverted, then the square
+// root's rounding corrected by a step.
+template <typename Index>
+__device__ __forceinline__ TilePosition<Index> upper_triangle_tile(Index index, Index edge) {
+  const double b = 2.0 * static_cast<double>(edge) + 1.0;
+  Index row = static_cast<Index>((b - sqrt(b * b - 8.0 * static_cast<double>(index))) / 2.0);
+  if (upper_triangle_start<Index>(row + 1, edge) <= index) ++row;
+  if (upper_triangle_start<Index>(row, edge) > index) --row;
+  return {row, row + index - upper_triangle_start<Index>(row, edge)};
 }
 
 // Programmatic dependent launch (sm_90 on; no-ops before, and in a kernel

@@ -54,6 +54,19 @@ struct TileAccumulators {
     const int warp_col = threadIdx.x / 32 % (kMmaTile / kWarpCols) * kWarpCols;
     return warp_col + ni * 8 + threadIdx.x % 4 * 2 + e % 2;
   }
+
+  // visit(s, r, c) for each of the thread's entries s, at (r, c) in the tile.
+  template <typename Visit>
+  __device__ __forceinline__ void for_each(Visit visit) {
+#pragma unroll
+    for (int mi = 0; mi < kMmaRowTiles; ++mi) {
+#pragma unroll
+      for (int ni = 0; ni < kMmaColTiles; ++ni) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) visit(acc[mi][ni][e], row_of(mi, e), col_of(ni, e));
+      }
+    }
+  }
 };
 
 __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
@@ -63,27 +76,6 @@ __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
 // Byte offset of 16-byte chunk `chunk` of row `row` within a stage operand.
 __device__ __forceinline__ int swizzled_offset(int row, int chunk) {
   return row * kMmaK * 2 + ((chunk ^ (row % kChunksPerRow)) * 16);
-}
-
-// 16 bytes from global to shared memory without passing through registers;
-// zeros where !valid (rows past the end, features past D).
-__device__ __forceinline__ void copy_chunk(uint32_t dst, const void* src, bool valid) {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-#endif
-}
-
-__device__ __forceinline__ void commit_copies() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-
-template <int kPending>
-__device__ __forceinline__ void wait_for_copies() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-#endif
 }
 
 // Stage operand ← features[first, first + kMmaTile) × [k0, k0 + kMmaK).
@@ -106,7 +98,7 @@ __device__ __forceinline__ void load_stage(
     const int64_t k = k0 + chunk * 8;
     const bool valid = r < n && k < dim;
     const T* src = valid ? features + r * dim + k : features;
-    copy_chunk(shared_address(reinterpret_cast<char*>(stage) + swizzled_offset(row, chunk)), src, valid);
+    copy_16(reinterpret_cast<char*>(stage) + swizzled_offset(row, chunk), src, valid);
   }
 }
 
@@ -192,14 +184,7 @@ __device__ __forceinline__ void multiply_tile(
     int64_t col0,
     int64_t dim,
     T* shared) {
-#pragma unroll
-  for (int mi = 0; mi < kMmaRowTiles; ++mi) {
-#pragma unroll
-    for (int ni = 0; ni < kMmaColTiles; ++ni) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) tile.acc[mi][ni][e] = 0.0f;
-    }
-  }
+  tile.for_each([](float& s, int, int) { s = 0.0f; });
   const auto row_stage = [&](int s) { return shared + s * 2 * kStageElements; };
   const auto col_stage = [&](int s) { return shared + s * 2 * kStageElements + kStageElements; };
   const int64_t steps = (dim + kMmaK - 1) / kMmaK;
@@ -209,10 +194,10 @@ __device__ __forceinline__ void multiply_tile(
       load_stage(row_stage(s), rows, n_rows, dim, row0, s * kMmaK);
       load_stage(col_stage(s), cols, n_cols, dim, col0, s * kMmaK);
     }
-    commit_copies(); // empty groups keep the count that wait_for_copies relies on
+    commit_copies(); // empty groups keep the count that wait_copies relies on
   }
   for (int64_t step = 0; step < steps; ++step) {
-    wait_for_copies<kMmaStages - 2>(); // this step's stage has landed
+    wait_copies<kMmaStages - 2>(); // this step's stage has landed
     __syncthreads(); // ... for every thread, and the stage refilled below is no longer read
     const int64_t next = step + kMmaStages - 1;
     if (next < steps) {
@@ -224,7 +209,7 @@ __device__ __forceinline__ void multiply_tile(
     const int s = static_cast<int>(step % kMmaStages);
     multiply_stage<T>(tile, row_stage(s), col_stage(s));
   }
-  wait_for_copies<0>();
+  wait_copies<0>();
 }
 
 // The labels of a tile's rows and columns in shared memory (0 past the

@@ -63,35 +63,6 @@ __device__ __forceinline__ Packed<acc_t, N> load_as(const T* p) {
   return out;
 }
 
-// 16 bytes from global to shared memory, zeros where `inside` is false (then
-// nothing is read; `global` must still be a valid address). From sm_80 on an
-// asynchronous copy that stages nothing in registers and lands by
-// wait_copies; before, an ordinary load and store.
-__device__ __forceinline__ void copy_16(void* shared, const void* global, bool inside) {
-#if __CUDA_ARCH__ >= 800
-  const auto address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global), "r"(inside ? 16 : 0)
-               : "memory");
-#else
-  *static_cast<uint4*>(shared) = inside ? *static_cast<const uint4*>(global) : make_uint4(0, 0, 0, 0);
-#endif
-}
-
-// Closes the group of this thread's copies issued since the last call.
-__device__ __forceinline__ void commit_copies() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-// Waits until at most kPending of this thread's groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void wait_copies() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-#endif
-}
-
 // Elements [d, d + kVec<T>) of row `row` of a matrix `width` wide to shared
 // memory, zeros past the row's end and for rows not `row_inside`: one copy_16
 // where `vectorized` (rows 16-byte aligned and width a multiple of kVec<T>, so
@@ -141,27 +112,6 @@ __device__ __forceinline__ void stage_rows(
   }
 }
 
-// Tiles (row, col), col >= row, of an edge × edge grid, numbered row by row:
-// row r starts at r·(2·edge − r + 1)/2.
-__device__ __forceinline__ int upper_triangle_start(int row, int edge) {
-  return row * (2 * edge - row + 1) / 2;
-}
-
-struct TilePosition {
-  int row;
-  int col;
-};
-
-// The tile numbered `index`: the start formula inverted, then the float
-// square root's rounding corrected by a step.
-__device__ __forceinline__ TilePosition upper_triangle_tile(int index, int edge) {
-  const int b = 2 * edge + 1;
-  int row = static_cast<int>((b - sqrtf(static_cast<float>(b * b - 8 * index))) / 2);
-  if (upper_triangle_start(row + 1, edge) <= index) ++row;
-  if (upper_triangle_start(row, edge) > index) --row;
-  return {row, row + index - upper_triangle_start(row, edge)};
-}
-
 // What one similarity CTA computes: a tile (a, b) above the diagonal, or two
 // diagonal tiles (a, a) and (b, b), b = a + 1 (past the last row block when
 // edge is odd). Pairing the diagonal tiles, each as much work as a tile off
@@ -190,7 +140,7 @@ __device__ __forceinline__ SimilarityUnit similarity_unit(int index, int edge) {
     const int a = 2 * (index - off_diagonal);
     return {a, a + 1, true};
   }
-  const TilePosition tile = upper_triangle_tile(index, edge - 1);
+  const TilePosition<int> tile = upper_triangle_tile(index, edge - 1);
   return {tile.row, tile.col + 1, false};
 }
 
@@ -406,11 +356,9 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
   }
   if (threadIdx.x == 0) {
     const acc_t multiplicity = unit.diagonal_pair ? acc_t(1) : acc_t(2);
-    acc_t* out = partials + 4 * blockIdx.x;
-    out[0] = positive.max;
-    out[1] = multiplicity * positive.sum;
-    out[2] = negative.max;
-    out[3] = multiplicity * negative.sum;
+    positive.sum *= multiplicity;
+    negative.sum *= multiplicity;
+    PairStates<acc_t>{positive, negative}.store_at(partials, blockIdx.x);
   }
 }
 
@@ -442,7 +390,9 @@ __device__ __forceinline__ WeightScales<acc_t> fold_weight_scales(
   constexpr int kTogether = 4; // partials a lane reads at once
   // Partial t, or an empty one past the last.
   const auto partial = [&](int t, int set) {
-    return t < units ? LseState<acc_t>{partials[4 * t + 2 * set], partials[4 * t + 2 * set + 1]} : LseState<acc_t>{};
+    if (t >= units) return LseState<acc_t>{};
+    const PairStates<acc_t> states = PairStates<acc_t>::at(partials, t);
+    return set == 0 ? states.positive : states.negative;
   };
   acc_t largest[2] = {-std::numeric_limits<acc_t>::infinity(), -std::numeric_limits<acc_t>::infinity()};
   for (int first = lane; first < units; first += 32 * kTogether) {
@@ -518,7 +468,7 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
   constexpr int V = kVec<acc_t>;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   __shared__ acc_t set_factor[2][kSmallBatch / kTile]; // [positive, negative][column block]
-  __shared__ __align__(16) acc_t staged_partials[4 * similarity_units(kSmallBatch / kTile)];
+  __shared__ __align__(16) acc_t staged_partials[PairStates<acc_t>::kValues * similarity_units(kSmallBatch / kTile)];
 
   if (blockIdx.x == gridDim.x - 1) {
     __shared__ double scratch[2 * kLossFoldThreads / 32];
@@ -580,8 +530,9 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
     const WeightScales<acc_t> scales = fold_weight_scales(staged_partials, units, lane);
     if (lane < edge) {
       const int unit = similarity_unit_of(min(row_block, lane), max(row_block, lane), edge);
-      set_factor[0][lane] = scales.factor(0, staged_partials[4 * unit]);
-      set_factor[1][lane] = scales.factor(1, staged_partials[4 * unit + 2]);
+      const PairStates<acc_t> states = PairStates<acc_t>::at(staged_partials, unit);
+      set_factor[0][lane] = scales.factor(0, states.positive.max);
+      set_factor[1][lane] = scales.factor(1, states.negative.max);
     }
   }
   __syncthreads();
@@ -697,7 +648,7 @@ void small_batch(
     double gamma,
     at::Tensor& loss, // ()
     at::Tensor* grad) { // (B, D) or null
-  using acc_t = typename Acc<scalar_t>::type;
+  using acc_t = at::opmath_type<scalar_t>;
   const int batch = static_cast<int>(features.size(0));
   const int dim = static_cast<int>(features.size(1));
   const int edge = (batch + kTile - 1) / kTile;
@@ -708,9 +659,10 @@ void small_batch(
   // The CTAs' partials, then E when the gradient needs it (16-byte aligned:
   // 4 values a CTA).
   at::Tensor workspace =
-      at::empty({4 * units + (grad != nullptr ? int64_t{batch} * batch : 0)}, features.options().dtype(dtype_of<acc_t>()));
+      at::empty({PairStates<acc_t>::kValues * units + (grad != nullptr ? int64_t{batch} * batch : 0)},
+                features.options().dtype(dtype_of<acc_t>()));
   acc_t* partials = workspace.data_ptr<acc_t>();
-  acc_t* terms = grad != nullptr ? partials + 4 * units : nullptr;
+  acc_t* terms = grad != nullptr ? partials + PairStates<acc_t>::kValues * units : nullptr;
 
   constexpr auto similarity_kernel = small_similarity_kernel<scalar_t, acc_t>;
   constexpr size_t similarity_bytes = SimilarityShape<scalar_t>::kSharedBytes;
@@ -736,23 +688,16 @@ void small_batch(
 
 } // namespace
 
-at::Tensor small_batch_loss(const at::Tensor& features, const at::Tensor& labels, double margin, double gamma) {
-  at::Tensor loss = at::empty({}, features.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_loss_small_batch", [&] {
-    small_batch<scalar_t>(features, labels, margin, gamma, loss, nullptr);
-  });
-  return loss;
-}
-
-std::tuple<at::Tensor, at::Tensor> small_batch_loss_with_grad(
+std::tuple<at::Tensor, at::Tensor> small_batch_loss(
     const at::Tensor& features,
     const at::Tensor& labels,
     double margin,
-    double gamma) {
+    double gamma,
+    bool with_grad) {
   at::Tensor loss = at::empty({}, features.options());
   at::Tensor grad;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_loss_small_batch", [&] {
-    small_batch<scalar_t>(features, labels, margin, gamma, loss, &grad);
+    small_batch<scalar_t>(features, labels, margin, gamma, loss, with_grad ? &grad : nullptr);
   });
   return {loss, grad};
 }

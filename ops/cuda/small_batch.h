@@ -21,16 +21,15 @@ inline bool fits_small_batch(int64_t batch, int64_t dim) {
   return batch >= 1 && batch <= kSmallBatch && batch * dim <= std::numeric_limits<int32_t>::max();
 }
 
-// Both take the inputs as prepared for the kernels, on the current device,
-// with fits_small_batch(B, D):
+// The loss () and, with with_grad, dloss/dfeatures (B, D) (else undefined),
+// in the features' dtype, from the inputs as prepared for the kernels, on the
+// current device, with fits_small_batch(B, D):
 //   features: (B, D) contiguous, labels: (B,) contiguous int64
-// and return the loss () and dloss/dfeatures (B, D), in the features' dtype.
-at::Tensor small_batch_loss(const at::Tensor& features, const at::Tensor& labels, double margin, double gamma);
-
-std::tuple<at::Tensor, at::Tensor> small_batch_loss_with_grad(
+std::tuple<at::Tensor, at::Tensor> small_batch_loss(
     const at::Tensor& features,
     const at::Tensor& labels,
     double margin,
-    double gamma);
+    double gamma,
+    bool with_grad);
 
 } // namespace circle_loss
