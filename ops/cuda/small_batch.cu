@@ -53,6 +53,28 @@ static_assert(kSmallBatch / kTile <= 32, "one lane per column block in the gradi
 // Chunks a warp has in flight: the one it multiplies and the next.
 constexpr int kRing = 2;
 
+// A 2-D array of registers as one row of all its values.
+template <typename T, int M, int N>
+__device__ __forceinline__ T (&flat(T (&values)[M][N]))[M * N] {
+  return reinterpret_cast<T(&)[M * N]>(values);
+}
+
+// One step of a sum across lanes that also splits the values between them:
+// a lane and its partner `distance` lanes away each keep one half of their
+// 2N values (the upper half where keep_upper, the partner the other) and add
+// the partner's copy of it. Every lane ends with N sums of two lanes, and the
+// pair shuffles N values instead of 2N.
+template <typename T, int N2, int N>
+__device__ __forceinline__ void add_partner_half(const T (&values)[N2], bool keep_upper, int distance, T (&sums)[N]) {
+  static_assert(N2 == 2 * N, "halves of the values");
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const T kept = keep_upper ? values[N + i] : values[i];
+    const T given = keep_upper ? values[i] : values[N + i];
+    sums[i] = kept + __shfl_xor_sync(0xffffffffu, given, distance);
+  }
+}
+
 // N values of T from shared memory, in one 8- or 16-byte load, as acc_t.
 template <typename acc_t, int N, typename T>
 __device__ __forceinline__ Packed<acc_t, N> load_as(const T* p) {
@@ -236,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
   // q = l/8, for the tile's rows g + 4x and columns h + 2y, g = (l%8)/2,
   // h = l%2: 12 loads from shared memory for 32·V products. (A 2 × 4 block
   // over the whole chunk took 6 loads for 8·V, and shared memory's bandwidth
-  // set the loop's time: bench/NOTES.md, v7.)
+  // set the loop's time.)
   const int quarter = lane / 8;
   const int g = lane % 8 / 2;
   const int h = lane % 2;
@@ -251,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
       __syncwarp(); // and every lane's
       // Every load of this warp has landed: the gradient kernel's CTAs may
       // start and fetch their features now. Let in at the start, their loads
-      // slowed this kernel's by 1 µs (bench/NOTES.md, v8).
+      // slowed this kernel's by 1 µs.
       if (c + team >= chunks) allow_dependents_to_start();
       const scalar_t* slot = slot_of(c);
 #pragma unroll
@@ -290,25 +312,10 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
   const bool upper_rows = quarter / 2 == 1;
   const bool upper_columns = quarter % 2 == 1;
   acc_t rows_half[2][8];
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-#pragma unroll
-    for (int y = 0; y < 8; ++y) {
-      const acc_t kept = upper_rows ? dot[2 + x][y] : dot[x][y];
-      const acc_t given = upper_rows ? dot[x][y] : dot[2 + x][y];
-      rows_half[x][y] = kept + __shfl_xor_sync(0xffffffffu, given, 16);
-    }
-  }
+  add_partner_half(flat(dot), upper_rows, 16, flat(rows_half));
   acc_t quarter_sums[2][4];
 #pragma unroll
-  for (int x = 0; x < 2; ++x) {
-#pragma unroll
-    for (int y = 0; y < 4; ++y) {
-      const acc_t kept = upper_columns ? rows_half[x][4 + y] : rows_half[x][y];
-      const acc_t given = upper_columns ? rows_half[x][y] : rows_half[x][4 + y];
-      quarter_sums[x][y] = kept + __shfl_xor_sync(0xffffffffu, given, 8);
-    }
-  }
+  for (int x = 0; x < 2; ++x) add_partner_half(rows_half[x], upper_columns, 8, quarter_sums[x]);
   // On the diagonal the lanes of the upper-right quarter write the lower-left
   // one too, which the others did not compute.
   const bool computed = !(unit.diagonal_pair && upper_rows && !upper_columns);
@@ -368,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
 // is folded in float64 (fold_partials, finish_loss) by a CTA of its own. Every
 // gradient CTA waits for this fold, so it is kept short: float32, no softplus,
 // one log, and each lane's partials read together, with no branch between
-// them (fold_partials<32> took 1.5 µs here at B = 256: bench/NOTES.md, v8).
+// them (fold_partials<32> took 1.5 µs here at B = 256).
 template <typename acc_t>
 struct WeightScales {
   acc_t max[2]; // [positive, negative]: the set's largest z
@@ -590,15 +597,7 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
   // The two partner halves' sums, added across lanes l and l^16: the lane
   // keeps rows 8·(l%16/8) + 4·h + [0, 4) and adds its partner's.
   acc_t row_sums[4][2 * V];
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-#pragma unroll
-    for (int v = 0; v < 2 * V; ++v) {
-      const acc_t kept = partner_half == 1 ? sum[4 + r][v] : sum[r][v];
-      const acc_t given = partner_half == 1 ? sum[r][v] : sum[4 + r][v];
-      row_sums[r][v] = kept + __shfl_xor_sync(0xffffffffu, given, 16);
-    }
-  }
+  add_partner_half(flat(sum), partner_half == 1, 16, flat(row_sums));
   __syncthreads(); // every warp is done with its chunks: the space holds the sums now
   acc_t* warp_sums = reinterpret_cast<acc_t*>(shared_bytes); // [warp][row][feature]
 #pragma unroll
@@ -627,7 +626,7 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
 // largest shared-memory carveout lets a gradient CTA, started early by its
 // dependent launch, fit on an SM beside a similarity CTA: by default the
 // driver sizes an SM's carveout for the kernel it runs first, which left too
-// little room (v7 in bench/NOTES.md).
+// little room.
 template <typename Kernel>
 void configure_kernel(Kernel* kernel, size_t dynamic_shared_bytes) {
   static const std::unique_ptr<std::once_flag[]> configured(new std::once_flag[c10::cuda::device_count()]);
