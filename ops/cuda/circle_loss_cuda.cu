@@ -185,13 +185,7 @@ __device__ __forceinline__ void tile_entry_states(
 // once on it, not at all below it.
 template <typename T>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
-    const T* __restrict__ rows, // (R, D)
-    const int64_t* __restrict__ row_labels, // (R,)
-    int64_t n_rows,
-    const T* __restrict__ cols, // (C, D)
-    const int64_t* __restrict__ col_labels, // (C,)
-    int64_t n_cols,
-    int64_t dim,
+    const TileOperands<T> in,
     bool symmetric, // rows is cols: only the tiles on and above the diagonal
     PairLogit<float> logit,
     float* __restrict__ partials) { // (tiles, 4)
@@ -199,15 +193,15 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
   __shared__ float scratch[2 * kMmaThreads / 32];
   __shared__ TileLabels labels;
   int64_t ti, tj;
-  tile_position(symmetric, (n_cols + kMmaTile - 1) / kMmaTile, &ti, &tj);
+  tile_position(symmetric, (in.n_cols + kMmaTile - 1) / kMmaTile, &ti, &tj);
   const int64_t row0 = ti * kMmaTile;
   const int64_t col0 = tj * kMmaTile;
-  labels.load(row_labels, n_rows, row0, col_labels, n_cols, col0);
+  labels.load(in, row0, col0);
   TileAccumulators tile;
-  multiply_tile(tile, rows, n_rows, row0, cols, n_cols, col0, dim, reinterpret_cast<T*>(stages));
+  multiply_tile(tile, in, row0, col0, reinterpret_cast<T*>(stages));
   __syncthreads(); // the labels, also where dim gives the main loop no step
-  const int valid_rows = static_cast<int>(n_rows - row0 < kMmaTile ? n_rows - row0 : kMmaTile);
-  const int valid_cols = static_cast<int>(n_cols - col0 < kMmaTile ? n_cols - col0 : kMmaTile);
+  const int valid_rows = static_cast<int>(in.n_rows - row0 < kMmaTile ? in.n_rows - row0 : kMmaTile);
+  const int valid_cols = static_cast<int>(in.n_cols - col0 < kMmaTile ? in.n_cols - col0 : kMmaTile);
   const bool diagonal = symmetric && ti == tj;
   LseState<float> positive;
   LseState<float> negative;
@@ -231,13 +225,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
 // W goes through shared memory, so that global stores are whole 16 bytes.
 template <typename T>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
-    const T* __restrict__ rows, // (R, D)
-    const int64_t* __restrict__ row_labels, // (R,)
-    int64_t n_rows,
-    const T* __restrict__ cols, // (C, D)
-    const int64_t* __restrict__ col_labels, // (C,)
-    int64_t n_cols,
-    int64_t dim,
+    const TileOperands<T> in,
     PairLogit<float> logit,
     const double* __restrict__ scalars, // (LSE_P, LSE_N, loss, 2σ(Z))
     T* __restrict__ weights) { // (R, C)
@@ -248,9 +236,9 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
   const int64_t row0 = blockIdx.y * static_cast<int64_t>(kMmaTile);
   const int64_t col0 = blockIdx.x * static_cast<int64_t>(kMmaTile);
   __shared__ TileLabels labels;
-  labels.load(row_labels, n_rows, row0, col_labels, n_cols, col0);
+  labels.load(in, row0, col0);
   TileAccumulators tile;
-  multiply_tile(tile, rows, n_rows, row0, cols, n_cols, col0, dim, reinterpret_cast<T*>(stages));
+  multiply_tile(tile, in, row0, col0, reinterpret_cast<T*>(stages));
   __syncthreads(); // the labels, also where dim gives the main loop no step
   const LossScalars loss = LossScalars::load(scalars);
   const float lse_positive = static_cast<float>(loss.lse_positive);
@@ -267,19 +255,19 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
   });
   __syncthreads();
   constexpr int kChunks = kMmaTile * kMmaTile / kVec<T>;
-  const bool whole_chunks = n_cols % kVec<T> == 0 && reinterpret_cast<uintptr_t>(weights) % 16 == 0;
+  const bool whole_chunks = in.n_cols % kVec<T> == 0 && reinterpret_cast<uintptr_t>(weights) % 16 == 0;
   for (int q = threadIdx.x; q < kChunks; q += kMmaThreads) {
     const int row = q / (kMmaTile / kVec<T>);
     const int col = q % (kMmaTile / kVec<T>) * kVec<T>;
     const int64_t r = row0 + row;
     const int64_t c = col0 + col;
-    if (r >= n_rows || c >= n_cols) continue;
+    if (r >= in.n_rows || c >= in.n_cols) continue;
     const T* from = staged + row * kStride + col; // 16-byte aligned: kStride · sizeof(T) is a multiple of 16
-    T* to = weights + r * n_cols + c;
+    T* to = weights + r * in.n_cols + c;
     if (whole_chunks) {
       *reinterpret_cast<Packed<T, kVec<T>>*>(to) = *reinterpret_cast<const Packed<T, kVec<T>>*>(from);
     } else {
-      for (int v = 0; v < kVec<T> && c + v < n_cols; ++v) to[v] = from[v];
+      for (int v = 0; v < kVec<T> && c + v < in.n_cols; ++v) to[v] = from[v];
     }
   }
 }
@@ -613,8 +601,9 @@ class StripPasses {
       if (tiles > 0) {
         tile_lse_kernel<scalar_t><<<static_cast<unsigned>(tiles), kMmaThreads, kMmaSharedBytes,
                                     c10::cuda::getCurrentCUDAStream()>>>(
-            rows_.features.data_ptr<scalar_t>(), rows_.labels.data_ptr<int64_t>(), rows_.size(),
-            cols_.features.data_ptr<scalar_t>(), cols_.labels.data_ptr<int64_t>(), cols_.size(), rows_.dim(),
+            TileOperands<scalar_t>{rows_.features.data_ptr<scalar_t>(), rows_.labels.data_ptr<int64_t>(), rows_.size(),
+                                   cols_.features.data_ptr<scalar_t>(), cols_.labels.data_ptr<int64_t>(), cols_.size(),
+                                   rows_.dim()},
             symmetric_, logit_, partials.data_ptr<float>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
@@ -629,8 +618,9 @@ class StripPasses {
       const dim3 grid(static_cast<unsigned>((strip.cols + kMmaTile - 1) / kMmaTile),
                       static_cast<unsigned>((strip.rows + kMmaTile - 1) / kMmaTile));
       tile_weights_kernel<scalar_t><<<grid, kMmaThreads, kMmaSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
-          rows_.features.data_ptr<scalar_t>() + strip.row0 * rows_.dim(), row_labels(strip), strip.rows,
-          cols_.features.data_ptr<scalar_t>() + strip.col0 * cols_.dim(), col_labels(strip), strip.cols, rows_.dim(),
+          TileOperands<scalar_t>{rows_.features.data_ptr<scalar_t>() + strip.row0 * rows_.dim(), row_labels(strip),
+                                 strip.rows, cols_.features.data_ptr<scalar_t>() + strip.col0 * cols_.dim(),
+                                 col_labels(strip), strip.cols, rows_.dim()},
           logit_, scalars, weights.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }

@@ -40,6 +40,19 @@ static_assert((kMmaTile / kWarpRows) * (kMmaTile / kWarpCols) * 32 == kMmaThread
 template <typename T>
 constexpr bool kHasMmaTiles = std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>;
 
+// The two sides of a product rows · colsᵀ and their labels, as the
+// tensor-core kernels take them.
+template <typename T>
+struct TileOperands {
+  const T* rows; // (n_rows, dim)
+  const int64_t* row_labels; // (n_rows,)
+  int64_t n_rows;
+  const T* cols; // (n_cols, dim)
+  const int64_t* col_labels; // (n_cols,)
+  int64_t n_cols;
+  int64_t dim;
+};
+
 // One thread's share of a CTA's tile: acc[mi][ni][e] is S at
 // (row_of(mi, e), col_of(ni, e)) relative to the tile's first row and column,
 // the layout of mma.sync's m16n8 accumulators.
@@ -176,23 +189,19 @@ __device__ __forceinline__ void multiply_stage(TileAccumulators& tile, const T* 
 template <typename T>
 __device__ __forceinline__ void multiply_tile(
     TileAccumulators& tile,
-    const T* __restrict__ rows, // (n_rows, dim)
-    int64_t n_rows,
+    const TileOperands<T>& in,
     int64_t row0,
-    const T* __restrict__ cols, // (n_cols, dim)
-    int64_t n_cols,
     int64_t col0,
-    int64_t dim,
     T* shared) {
   tile.for_each([](float& s, int, int) { s = 0.0f; });
   const auto row_stage = [&](int s) { return shared + s * 2 * kStageElements; };
   const auto col_stage = [&](int s) { return shared + s * 2 * kStageElements + kStageElements; };
-  const int64_t steps = (dim + kMmaK - 1) / kMmaK;
+  const int64_t steps = (in.dim + kMmaK - 1) / kMmaK;
 #pragma unroll
   for (int s = 0; s < kMmaStages - 1; ++s) {
     if (s < steps) {
-      load_stage(row_stage(s), rows, n_rows, dim, row0, s * kMmaK);
-      load_stage(col_stage(s), cols, n_cols, dim, col0, s * kMmaK);
+      load_stage(row_stage(s), in.rows, in.n_rows, in.dim, row0, s * kMmaK);
+      load_stage(col_stage(s), in.cols, in.n_cols, in.dim, col0, s * kMmaK);
     }
     commit_copies(); // empty groups keep the count that wait_copies relies on
   }
@@ -202,8 +211,8 @@ __device__ __forceinline__ void multiply_tile(
     const int64_t next = step + kMmaStages - 1;
     if (next < steps) {
       const int s = static_cast<int>(next % kMmaStages);
-      load_stage(row_stage(s), rows, n_rows, dim, row0, next * kMmaK);
-      load_stage(col_stage(s), cols, n_cols, dim, col0, next * kMmaK);
+      load_stage(row_stage(s), in.rows, in.n_rows, in.dim, row0, next * kMmaK);
+      load_stage(col_stage(s), in.cols, in.n_cols, in.dim, col0, next * kMmaK);
     }
     commit_copies();
     const int s = static_cast<int>(step % kMmaStages);
@@ -218,19 +227,14 @@ struct TileLabels {
   int64_t row[kMmaTile];
   int64_t col[kMmaTile];
 
-  __device__ __forceinline__ void load(
-      const int64_t* __restrict__ row_labels,
-      int64_t n_rows,
-      int64_t row0,
-      const int64_t* __restrict__ col_labels,
-      int64_t n_cols,
-      int64_t col0) {
+  template <typename T>
+  __device__ __forceinline__ void load(const TileOperands<T>& in, int64_t row0, int64_t col0) {
     static_assert(2 * kMmaTile == kMmaThreads, "one label a thread");
     const int i = threadIdx.x % kMmaTile;
     if (threadIdx.x < kMmaTile) {
-      row[i] = row0 + i < n_rows ? row_labels[row0 + i] : 0;
+      row[i] = row0 + i < in.n_rows ? in.row_labels[row0 + i] : 0;
     } else {
-      col[i] = col0 + i < n_cols ? col_labels[col0 + i] : 0;
+      col[i] = col0 + i < in.n_cols ? in.col_labels[col0 + i] : 0;
     }
   }
 
