@@ -320,21 +320,6 @@ at::Tensor tile_weights(
   return weights;
 }
 
-// Rows of block b of a (N, ...) tensor.
-at::Tensor block_of(const at::Tensor& t, int64_t b) {
-  return t.narrow(0, b * kTile, std::min(kTile, t.size(0) - b * kTile));
-}
-
-// The tiles {bi, (bi + round) mod n} of round `round` of the symmetric case.
-template <typename Task>
-void for_each_symmetric_round(int64_t blocks, const Task& task) {
-  for (int64_t round = 0; round <= blocks / 2; ++round) {
-    // With an even count the last round meets each pair from both ends.
-    const int64_t tiles = (2 * round == blocks) ? blocks / 2 : blocks;
-    for_each_task(tiles, [&](int64_t bi) { task(round, bi, (bi + round) % blocks); });
-  }
-}
-
 template <typename T>
 RowStates row_states_symmetric(const at::Tensor& f, const int32_t* ids, const PairLogit<T>& logit) {
   const int64_t batch = f.size(0);

@@ -188,10 +188,8 @@ at::Tensor tile_gradient_weights(
 }
 
 // dloss/dF = 2 G F with G symmetric, from tiles on and above the diagonal:
-// tile {I, J} adds G_IJ F_J to rows I and G_IJᵀ F_I to rows J. Round r takes
-// the tiles {I, (I + r) mod n} for every I, so that each block of `by_row`
-// and of `by_col` is written by exactly one tile per round: no two threads
-// share an accumulator, and every accumulator sums in round order.
+// tile {I, J} adds G_IJ F_J to rows I and G_IJᵀ F_I to rows J, in the rounds
+// of for_each_symmetric_round, so that no two threads share an accumulator.
 template <typename T>
 at::Tensor symmetric_gradient(
     const at::Tensor& features, // (B, D)
@@ -204,25 +202,15 @@ at::Tensor symmetric_gradient(
     return by_row; // no negative pair (docs/math.md, "Numerical policy"): loss 0, gradient 0
   }
   at::Tensor by_col = at::zeros_like(features);
-  const int64_t blocks = at::divup(batch, kTile);
-  auto block = [&](const at::Tensor& t, int64_t b) {
-    return t.narrow(0, b * kTile, std::min(kTile, batch - b * kTile));
-  };
-  for (int64_t round = 0; round <= blocks / 2; ++round) {
-    // With an even count the last round meets each pair from both ends.
-    const int64_t tiles = (2 * round == blocks) ? blocks / 2 : blocks;
-    for_each_task(tiles, [&](int64_t bi) {
-      const int64_t bj = (bi + round) % blocks;
-      const at::Tensor rows = block(features, bi);
-      const at::Tensor cols = block(features, bj);
-      const at::Tensor g = tile_gradient_weights<T>(
-          rows, labels + bi * kTile, cols, labels + bj * kTile, logit, scalars);
-      block(by_row, bi).addmm_(g, cols);
-      if (round != 0) {
-        block(by_col, bj).addmm_(g.t(), rows);
-      }
-    });
-  }
+  for_each_symmetric_round(at::divup(batch, kTile), [&](int64_t round, int64_t bi, int64_t bj) {
+    const at::Tensor rows = block_of(features, bi);
+    const at::Tensor cols = block_of(features, bj);
+    const at::Tensor g = tile_gradient_weights<T>(rows, labels + bi * kTile, cols, labels + bj * kTile, logit, scalars);
+    block_of(by_row, bi).addmm_(g, cols);
+    if (round != 0) {
+      block_of(by_col, bj).addmm_(g.t(), rows);
+    }
+  });
   return by_row.add_(by_col);
 }
 

@@ -46,6 +46,25 @@ inline void for_each_task(int64_t n, const Task& task) {
   });
 }
 
+// Rows of block b of a (N, ...) tensor.
+inline at::Tensor block_of(const at::Tensor& t, int64_t b) {
+  return t.narrow(0, b * kTile, std::min(kTile, t.size(0) - b * kTile));
+}
+
+// The tiles {bi, (bi + round) mod n} on and above the diagonal of a
+// symmetric product, round by round: within a round every block is some
+// tile's row block once and some tile's column block once, so accumulators
+// kept by row block and by column block each have one writer a round, and
+// every accumulator sums in round order.
+template <typename Task>
+inline void for_each_symmetric_round(int64_t blocks, const Task& task) {
+  for (int64_t round = 0; round <= blocks / 2; ++round) {
+    // With an even count the last round meets each pair from both ends.
+    const int64_t tiles = (2 * round == blocks) ? blocks / 2 : blocks;
+    for_each_task(tiles, [&](int64_t bi) { task(round, bi, (bi + round) % blocks); });
+  }
+}
+
 // The dtype the kernel computes in: float32 for float16/bfloat16, as their
 // GEMMs would otherwise round S to 8 or 11 bits.
 inline at::ScalarType compute_dtype(const at::Tensor& features) {
