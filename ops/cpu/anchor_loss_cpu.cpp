@@ -85,7 +85,6 @@ struct PairTile {
 // running value per row would chain every step to the last).
 constexpr int64_t kLanes = 16;
 
-
 // exp(z - m) with m the max of z's set, max_pos or max_neg indexed by z's row
 // (by_row) or column; 0 for z = -inf. As max_ratio: a logit equal to its
 // set's max gives exp(0), +inf too.
