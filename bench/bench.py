@@ -158,9 +158,9 @@ def class_counts(spec: str, batch: int) -> int:
     return batch if spec == "B" else int(spec)
 
 
-def measure(name, fn, mode, features, labels, args) -> dict:
+def measure(name, fn, mode, features, labels, classes, with_memory, args) -> dict:
     """One row: fn's median time in mode ("fwd" under no_grad, or "fwd+bwd")
-    and, where asked, its extra peak memory."""
+    and, with_memory, its extra peak memory (labels drawn from `classes`)."""
     device = features.device
     row = dict(method=name, B=features.size(0), D=args.dim, dtype=args.dtype, mode=mode)
     step = fn if mode == "fwd" else forward_backward(fn)
@@ -170,10 +170,10 @@ def measure(name, fn, mode, features, labels, args) -> dict:
         with torch.no_grad() if mode == "fwd" else torch.enable_grad():
             call()  # warm-up (and compilation)
             row["seconds"] = median_seconds(call, args.min_run_time)
-            if device.type == "cuda" and args.memory:
+            if device.type == "cuda" and with_memory:
                 row["peak_bytes"] = cuda_extra_peak_bytes(call)
-        if device.type == "cpu" and args.memory and name in (*OPS, "eager"):
-            row["peak_bytes"] = cpu_extra_peak_bytes(name, mode, row["B"], args.dim, args.dtype, args.classes_now)
+        if device.type == "cpu" and with_memory and name in (*OPS, "eager"):
+            row["peak_bytes"] = cpu_extra_peak_bytes(name, mode, row["B"], args.dim, args.dtype, classes)
     except Exception as error:  # an OOM is a result; anything else is not
         if not is_out_of_memory(error):
             raise
@@ -189,24 +189,23 @@ def run(args) -> list[dict]:
     compiled_reference = torch.compile(eager_reference, dynamic=False)
     references = {"eager": eager_reference, "compile": compiled_reference}
     rows = []
-    memory = args.memory
     for spec in args.classes:
+        # Peak memory hardly depends on the labels: measured at the first distribution only.
+        with_memory = args.memory and spec == args.classes[0]
         for batch in args.sizes:
-            args.classes_now = class_counts(spec, batch)
-            features, labels = make_inputs(batch, args.dim, args.classes_now, device, dtype)
+            classes = class_counts(spec, batch)
+            features, labels = make_inputs(batch, args.dim, classes, device, dtype)
             todo = [("GEMM F·Fᵀ", gemm, ("fwd",))] + [(name, fn, ("fwd", "fwd+bwd")) for name, fn in OPS.items()]
             if batch <= args.max_reference_batch:
                 todo += [(name, fn, ("fwd", "fwd+bwd")) for name, fn in references.items()]
             for name, fn, modes in todo:
                 for mode in modes:
-                    row = measure(name, fn, mode, features, labels, args) | dict(classes=spec)
+                    row = measure(name, fn, mode, features, labels, classes, with_memory, args) | dict(classes=spec)
                     rows.append(row)
-                    print(_format_row(row), flush=True)
+                    print(format_row(row), flush=True)
             del features
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        args.memory = False  # peak memory hardly depends on the labels: measured at the first distribution only
-    args.memory = memory
     if device.type == "cuda":
         rows += cuda_floors(args, dtype)
     return rows
@@ -227,12 +226,14 @@ def cuda_floors(args, dtype) -> list[dict]:
         rows.append(dict(method="op (CUDA graph replay)", B=batch, D=args.dim, dtype=args.dtype,
                          mode="fwd+bwd", seconds=median_seconds(graph.replay, args.min_run_time)))
     for row in rows:
-        print(_format_row(row), flush=True)
+        print(format_row(row), flush=True)
     return rows
 
 
-def _format_row(row) -> str:
-    head = f"{row['method']:>24} B={row['B']:<7} classes={row.get('classes', '—'):<5} {row['mode']:<8}"
+def format_row(row, shape=None) -> str:
+    """A measured row as one line of progress; shape: how to name its sizes (default B=...)."""
+    shape = shape or f"B={row['B']}"
+    head = f"{row['method']:>24} {shape:<16} classes={row.get('classes', '—'):<5} {row['mode']:<8}"
     if "skipped" in row:
         return f"{head} skipped: {row['skipped']}"
     mem = row.get("peak_bytes")

@@ -32,6 +32,7 @@ from bench import (  # noqa: E402  (bench/bench.py, beside this script)
     cuda_extra_peak_bytes,
     environment,
     format_memory,
+    format_row,
     format_time,
     is_out_of_memory,
     median_seconds,
@@ -149,16 +150,16 @@ def run(args) -> list[dict]:
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
                     rows.append(row)
-                    print(format_row(row), flush=True)
+                    print(anchor_row(row), flush=True)
             if device.type == "cuda":
                 rows.append(op_alone_peak(batch, refs, classes, x, y, r, ry, args))
-                print(format_row(rows[-1]), flush=True)
+                print(anchor_row(rows[-1]), flush=True)
             gemm = (lambda a=x, b=(x if r is None else r): a @ b.T)
             try:
                 gemm()
                 rows.append(dict(method="GEMM Q·Rᵀ", B=batch, M=refs, classes=classes, mode="fwd",
                                  seconds=median_seconds(gemm, args.min_run_time)))
-                print(format_row(rows[-1]), flush=True)
+                print(anchor_row(rows[-1]), flush=True)
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise
@@ -180,13 +181,8 @@ def op_alone_peak(batch, refs, classes, x, y, r, ry, args) -> dict:
                 mode="fwd+bwd", seconds=median_seconds(step, args.min_run_time), peak_bytes=cuda_extra_peak_bytes(step))
 
 
-def format_row(row) -> str:
-    shape = f"B={row['B']}" + (f" M={row['M']}" if row.get("M") else "")
-    if "skipped" in row:
-        return f"{row['method']:>14} {shape:<16} c={row['classes']:<6} {row['mode']:<8} skipped: {row['skipped']}"
-    mem = row.get("peak_bytes")
-    mem_s = "" if mem is None else f"  extra peak {mem / 2**20:10.1f} MiB"
-    return f"{row['method']:>14} {shape:<16} c={row['classes']:<6} {row['mode']:<8} {row['seconds'] * 1e3:10.3f} ms{mem_s}"
+def anchor_row(row) -> str:
+    return format_row(row, f"B={row['B']}" + (f" M={row['M']}" if row.get("M") else ""))
 
 
 def table(rows) -> str:
