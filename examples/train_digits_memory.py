@@ -1,5 +1,6 @@
 """Metric learning with a memory bank: circle_loss.pml.CircleLoss inside
-pytorch-metric-learning's CrossBatchMemory.
+circle_loss.pml.CrossBatchMemory, the drop-ins for pytorch-metric-learning's
+classes.
 
 The drop-in for PML's CircleLoss (same constructor, same results) trains a
 small embedding network on scikit-learn's handwritten digits with small
@@ -7,11 +8,9 @@ batches, each compared with a bank of the embeddings of recent batches, and
 measures nearest-neighbour retrieval on a held-out split before and after, as
 examples/train_digits.py does: Recall@1 and MAP@R.
 
-CrossBatchMemory hands the loss an indices_tuple that leaves out each query's
-own copy in the bank; the drop-in computes that case through PML's own code
-(the fused op takes every pair, or every pair but (i, i) of one set), so the
-results are PML's exactly. Without the bank, `CircleLoss()(embeddings,
-labels)` runs on the fused op.
+Each step compares the batch with the whole bank but each query's own copy
+in it, as PML's CrossBatchMemory does; the drop-in makes that one call of the
+fused op (the copies left out by position), with PML's results.
 
     python examples/train_digits_memory.py [--epochs 15] [--memory 512] [--device cuda]
 
@@ -25,8 +24,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-from pytorch_metric_learning.losses import CrossBatchMemory
-
 import circle_loss.pml
 from train_digits import digits_split, make_encoder, retrieval_metrics
 
@@ -48,7 +45,7 @@ def main() -> None:
     x_train, x_test, y_train, y_test = digits_split(args.device, args.seed)
 
     encoder = make_encoder(args.embedding_dim).to(args.device)
-    loss_fn = CrossBatchMemory(
+    loss_fn = circle_loss.pml.CrossBatchMemory(
         circle_loss.pml.CircleLoss(m=args.m, gamma=args.gamma),
         embedding_size=args.embedding_dim,
         memory_size=args.memory,

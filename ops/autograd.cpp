@@ -115,14 +115,24 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_below_autograd(
     const std::optional<at::Tensor>& ref_features,
     const std::optional<at::Tensor>& ref_labels,
     double margin,
-    double gamma) {
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("circle::_anchor_loss_forward", "")
                        .typed<std::tuple<at::Tensor, at::Tensor>(
                            const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                           const std::optional<at::Tensor>&, double, double)>();
+                           const std::optional<at::Tensor>&, double, double, const std::optional<at::Tensor>&)>();
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return op.call(features, labels, ref_features, ref_labels, margin, gamma);
+  return op.call(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+}
+
+bool is_given(const std::optional<at::Tensor>& tensor) {
+  return tensor.has_value() && tensor->defined();
+}
+
+// The saved optional tensor, or none where the forward had none.
+std::optional<at::Tensor> if_given(const at::Tensor& saved) {
+  return saved.defined() ? std::optional<at::Tensor>(saved) : std::nullopt;
 }
 
 // circle::anchor_loss: the forward keeps each row's two LSEs, (B, 2), and the
@@ -140,14 +150,15 @@ class AnchorLossFunction : public torch::autograd::Function<AnchorLossFunction> 
       const std::optional<at::Tensor>& ref_features, // (M, D)?
       const std::optional<at::Tensor>& ref_labels, // (M,)?
       double margin,
-      double gamma) {
-    auto [losses, row_lse] = anchor_loss_forward_below_autograd(features, labels, ref_features, ref_labels, margin, gamma);
-    const bool has_ref = ref_features.has_value() && ref_features->defined();
+      double gamma,
+      const std::optional<at::Tensor>& ref_self_index) { // (B,)?
+    auto [losses, row_lse] =
+        anchor_loss_forward_below_autograd(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+    const auto or_none = [](const std::optional<at::Tensor>& t) { return is_given(t) ? *t : at::Tensor(); };
     ctx->save_for_backward(
-        {features, labels, has_ref ? *ref_features : at::Tensor(), has_ref ? *ref_labels : at::Tensor(), row_lse});
+        {features, labels, or_none(ref_features), or_none(ref_labels), row_lse, or_none(ref_self_index)});
     ctx->saved_data["margin"] = margin;
     ctx->saved_data["gamma"] = gamma;
-    ctx->saved_data["has_ref"] = has_ref;
     return losses;
   }
 
@@ -161,15 +172,18 @@ class AnchorLossFunction : public torch::autograd::Function<AnchorLossFunction> 
                          .typed<std::tuple<at::Tensor, at::Tensor>(
                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                             const at::Tensor&, double, double)>();
+                             const at::Tensor&, double, double, const std::optional<at::Tensor>&, bool)>();
     const auto saved = ctx->get_saved_variables();
-    const bool has_ref = ctx->saved_data["has_ref"].toBool();
-    const std::optional<at::Tensor> ref_features = has_ref ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
-    const std::optional<at::Tensor> ref_labels = has_ref ? std::optional<at::Tensor>(saved[3]) : std::nullopt;
+    const std::optional<at::Tensor> ref_features = if_given(saved[2]);
+    // Edges exist for the given tensors only: ref_features, when given, is
+    // the third, after features and labels. A memory bank's rows need no
+    // gradient, and then its product is not formed.
+    const bool ref_grad = ref_features.has_value() && ctx->needs_input_grad(2);
     auto [grad_features, grad_ref] = op.call(
-        grad_outputs[0], saved[0], saved[1], ref_features, ref_labels, saved[4],
-        ctx->saved_data["margin"].toDouble(), ctx->saved_data["gamma"].toDouble());
-    return {grad_features, at::Tensor(), has_ref ? grad_ref : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+        grad_outputs[0], saved[0], saved[1], ref_features, if_given(saved[3]), saved[4],
+        ctx->saved_data["margin"].toDouble(), ctx->saved_data["gamma"].toDouble(), if_given(saved[5]), ref_grad);
+    return {grad_features, at::Tensor(), ref_grad ? grad_ref : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -179,23 +193,24 @@ at::Tensor anchor_loss_autograd(
     const std::optional<at::Tensor>& ref_features, // (M, D)?
     const std::optional<at::Tensor>& ref_labels, // (M,)?
     double margin,
-    double gamma) {
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma);
-  const bool has_ref = ref_features.has_value() && ref_features->defined();
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+  const bool has_ref = is_given(ref_features);
   TORCH_CHECK(
       !features._fw_grad(/*level=*/0).defined() && !(has_ref && ref_features->_fw_grad(/*level=*/0).defined()),
       "circle::anchor_loss does not support forward-mode AD (torch.func.jvp, jacfwd, dual tensors): "
       "use reverse mode (backward, torch.autograd.grad, torch.func.grad or jacrev)");
   if (at::GradMode::is_enabled() && (features.requires_grad() || (has_ref && ref_features->requires_grad()))) {
-    return AnchorLossFunction::apply(features, labels, ref_features, ref_labels, margin, gamma);
+    return AnchorLossFunction::apply(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   }
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("circle::anchor_loss", "")
                        .typed<at::Tensor(
                            const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                           const std::optional<at::Tensor>&, double, double)>();
+                           const std::optional<at::Tensor>&, double, double, const std::optional<at::Tensor>&)>();
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return op.call(features, labels, ref_features, ref_labels, margin, gamma);
+  return op.call(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
 }
 
 at::Tensor loss_backward(

@@ -77,7 +77,8 @@ void check_anchor_inputs(
     const std::optional<at::Tensor>& ref_features, // (M, D)?
     const std::optional<at::Tensor>& ref_labels, // (M,)?
     double margin,
-    double gamma) {
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
   constexpr const char* op = "circle::anchor_loss";
   check_rows(op, "features", "labels", "B", features, labels);
   const bool has_features = ref_features.has_value() && ref_features->defined();
@@ -105,6 +106,27 @@ void check_anchor_inputs(
         op, ": ref_features must be on the device of features, got ",
         ref_features->device(),
         " and ",
+        features.device());
+  }
+  if (ref_self_index.has_value() && ref_self_index->defined()) {
+    const at::Tensor& index = *ref_self_index;
+    TORCH_CHECK(
+        has_features,
+        op, ": ref_self_index names rows of ref_features, so it needs ref_features and ref_labels; without "
+        "them the pair (i, i) of features is left out already");
+    TORCH_CHECK(
+        index.dim() == 1,
+        op, ": ref_self_index must be a 1-D tensor of shape (B,), got ", index.dim(), " dimension(s)");
+    TORCH_CHECK(
+        at::isIntegralType(index.scalar_type(), /*includeBool=*/false),
+        op, ": ref_self_index must have an integer dtype, got ", index.scalar_type());
+    TORCH_SYM_CHECK(
+        index.sym_size(0).sym_eq(features.sym_size(0)),
+        op, ": ref_self_index must have one entry per row of features: features has ", features.sym_size(0),
+        " rows but ref_self_index has ", index.sym_size(0), " entries");
+    TORCH_CHECK(
+        index.device() == features.device(),
+        op, ": ref_self_index must be on the device of features, got ", index.device(), " and ",
         features.device());
   }
   check_margin_and_gamma(op, margin, gamma);

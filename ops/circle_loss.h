@@ -41,15 +41,20 @@ void check_block_inputs(
 
 // The contract of circle::anchor_loss: features and labels as check_inputs
 // requires; ref_features and ref_labels both given or both absent, and then
-// as check_inputs requires, with features' width, dtype and device.
-//   features: (B, D), labels: (B,), ref_features: (M, D)?, ref_labels: (M,)?
+// as check_inputs requires, with features' width, dtype and device;
+// ref_self_index only with them, integer, one entry per row of features, on
+// features' device (its values are not checked: one outside [0, M) leaves
+// no pair out, and checking them would wait for the device).
+//   features: (B, D), labels: (B,), ref_features: (M, D)?, ref_labels: (M,)?,
+//   ref_self_index: (B,)?
 void check_anchor_inputs(
     const at::Tensor& features,
     const at::Tensor& labels,
     const std::optional<at::Tensor>& ref_features,
     const std::optional<at::Tensor>& ref_labels,
     double margin,
-    double gamma);
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index);
 
 // row_lse: (B, 2) in features' accumulation dtype, as _anchor_loss_forward
 // returns it; grad_losses: (B,) on features' device.

@@ -64,8 +64,9 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_meta(
     const std::optional<at::Tensor>& ref_features, // (M, D)?
     const std::optional<at::Tensor>& ref_labels, // (M,)?
     double margin,
-    double gamma) {
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma);
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   const c10::SymInt batch = features.sym_size(0);
   return {
       at::empty_symint({batch}, features.options()),
@@ -78,8 +79,9 @@ at::Tensor anchor_loss_meta(
     const std::optional<at::Tensor>& ref_features,
     const std::optional<at::Tensor>& ref_labels,
     double margin,
-    double gamma) {
-  return std::get<0>(anchor_loss_forward_meta(features, labels, ref_features, ref_labels, margin, gamma));
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index) {
+  return std::get<0>(anchor_loss_forward_meta(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index));
 }
 
 std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_meta(
@@ -90,14 +92,16 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_meta(
     const std::optional<at::Tensor>& ref_labels, // (M,)?
     const at::Tensor& row_lse, // (B, 2)
     double margin,
-    double gamma) {
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma);
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index, // (B,)?
+    bool ref_grad) {
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   check_anchor_backward_inputs(grad_losses, features, row_lse);
   const bool has_ref = ref_features.has_value() && ref_features->defined();
   return {
       at::empty_symint(features.sym_sizes(), features.options()),
-      has_ref ? at::empty_symint(ref_features->sym_sizes(), features.options())
-              : at::empty_symint({0, features.sym_size(1)}, features.options())};
+      has_ref && ref_grad ? at::empty_symint(ref_features->sym_sizes(), features.options())
+                          : at::empty_symint({0, features.sym_size(1)}, features.options())};
 }
 
 } // namespace

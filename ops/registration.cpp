@@ -15,20 +15,23 @@ TORCH_LIBRARY(circle, m) {
 
   // The per-anchor form (pytorch-metric-learning's CircleLoss): one loss per
   // row of features against ref_features (without them: against the other
-  // rows of features, the pair (i, i) left out), docs/math.md. Kernels: CPU,
-  // CUDA and Meta compute the losses alone; the Autograd kernel routes through
-  // _anchor_loss_forward and _anchor_loss_backward.
+  // rows of features, the pair (i, i) left out), docs/math.md. ref_self_index
+  // (B,), only with ref_features: the reference row that is anchor i's own
+  // copy (a memory bank's), whose pair is left out; an index outside [0, M)
+  // leaves none out. Kernels: CPU, CUDA and Meta compute the losses alone;
+  // the Autograd kernel routes through _anchor_loss_forward and
+  // _anchor_loss_backward.
   m.def(
-      "anchor_loss(Tensor features, Tensor labels, Tensor? ref_features=None, Tensor? ref_labels=None, float margin=0.4, float gamma=80.0) -> Tensor");
+      "anchor_loss(Tensor features, Tensor labels, Tensor? ref_features=None, Tensor? ref_labels=None, float margin=0.4, float gamma=80.0, Tensor? ref_self_index=None) -> Tensor");
   // -> (losses (B,), row_lse (B, 2)): each row's (LSE_P, LSE_N) in the
   // accumulation dtype (float64 for float64 features, else float32), -inf
   // for an empty set; all the backward needs besides the inputs.
   m.def(
-      "_anchor_loss_forward(Tensor features, Tensor labels, Tensor? ref_features, Tensor? ref_labels, float margin, float gamma) -> (Tensor, Tensor)");
-  // -> (grad_features (B, D), grad_ref_features (M, D); (0, D) without a
-  // reference set), for the incoming gradient grad_losses (B,).
+      "_anchor_loss_forward(Tensor features, Tensor labels, Tensor? ref_features, Tensor? ref_labels, float margin, float gamma, Tensor? ref_self_index=None) -> (Tensor, Tensor)");
+  // -> (grad_features (B, D), grad_ref_features: (M, D) if ref_grad, else
+  // (0, D) and not computed), for the incoming gradient grad_losses (B,).
   m.def(
-      "_anchor_loss_backward(Tensor grad_losses, Tensor features, Tensor labels, Tensor? ref_features, Tensor? ref_labels, Tensor row_lse, float margin, float gamma) -> (Tensor, Tensor)");
+      "_anchor_loss_backward(Tensor grad_losses, Tensor features, Tensor labels, Tensor? ref_features, Tensor? ref_labels, Tensor row_lse, float margin, float gamma, Tensor? ref_self_index=None, bool ref_grad=False) -> (Tensor, Tensor)");
 
   // Pieces of the loss over the pairs of two row blocks, for computing it
   // sharded (circle_loss.distributed). Partials are float64 rows

@@ -103,9 +103,11 @@ def anchor_loss_reference(
     margin: float = 0.4,
     gamma: float = 80.0,
     dtype: torch.dtype = torch.float64,
+    ref_self_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The per-anchor Circle Loss (docs/math.md), (B,) in `dtype`, the alphas
-    detached; without a reference set the pairs (i, i) are left out.
+    detached; without a reference set the pairs (i, i) are left out, with one
+    the pairs (i, ref_self_index[i]) for the indices in [0, M).
     Materialises B×M: tests only."""
     q = features.to(dtype)
     r = q if ref_features is None else ref_features.to(dtype)
@@ -115,6 +117,9 @@ def anchor_loss_reference(
     mine = torch.ones_like(same)
     if ref_features is None:
         mine = ~torch.eye(len(labels), dtype=torch.bool, device=same.device)
+    elif ref_self_index is not None:
+        columns = torch.arange(len(ref_labels), device=same.device)
+        mine = columns[None, :] != ref_self_index.to(same.device)[:, None]
     positive, negative = same & mine, ~same & mine
     zp = -gamma * torch.clamp_min(1 + margin - s.detach(), 0) * (s - (1 - margin))
     zn = gamma * torch.clamp_min(s.detach() + margin, 0) * (s - margin)
@@ -129,12 +134,12 @@ def anchor_loss_reference(
 
 
 def anchor_reference_and_grads(features, labels, ref_features=None, ref_labels=None, margin=0.4, gamma=80.0,
-                               weights=None, dtype=torch.float64):
+                               weights=None, dtype=torch.float64, ref_self_index=None):
     """The reference losses (B,) and the gradients of Σ_i weights_i · L_i with
     respect to features and ref_features (None without a reference set)."""
     q = features.detach().to(dtype).requires_grad_()
     r = None if ref_features is None else ref_features.detach().to(dtype).requires_grad_()
-    losses = anchor_loss_reference(q, labels, r, ref_labels, margin, gamma, dtype)
+    losses = anchor_loss_reference(q, labels, r, ref_labels, margin, gamma, dtype, ref_self_index)
     w = torch.ones_like(losses) if weights is None else weights.to(dtype)
     grads = torch.autograd.grad((losses * w).sum(), [q] if r is None else [q, r])
     return losses.detach(), grads[0], (None if r is None else grads[1])

@@ -35,37 +35,42 @@ SHAPES = [  # (B, D, classes, M or None): tiny, odd, tile edges, several tiles
 ]
 
 
-def run_anchor(features, labels, ref=None, ref_labels=None, margin=0.4, gamma=80.0, weights=None):
-    """The op's losses and the gradients of Σ weights_i · L_i."""
+def run_anchor(features, labels, ref=None, ref_labels=None, margin=0.4, gamma=80.0, weights=None,
+               ref_self_index=None, ref_grad=True):
+    """The op's losses and the gradients of Σ weights_i · L_i (to ref only if ref_grad)."""
     q = features.detach().clone().requires_grad_()
-    r = None if ref is None else ref.detach().clone().requires_grad_()
-    losses = torch.ops.circle.anchor_loss(q, labels, r, ref_labels, margin, gamma)
+    r = None if ref is None else ref.detach().clone().requires_grad_(ref_grad)
+    losses = torch.ops.circle.anchor_loss(q, labels, r, ref_labels, margin, gamma, ref_self_index)
     w = torch.ones_like(losses) if weights is None else weights
     (losses * w).sum().backward()
     return losses, q.grad, (None if r is None else r.grad)
 
 
 def assert_anchor_matches_reference(features, labels, ref=None, ref_labels=None, margin=0.4, gamma=80.0,
-                                    weights=None):
-    losses, grad_q, grad_r = run_anchor(features, labels, ref, ref_labels, margin, gamma, weights)
+                                    weights=None, ref_self_index=None, ref_grad=True):
+    losses, grad_q, grad_r = run_anchor(features, labels, ref, ref_labels, margin, gamma, weights, ref_self_index,
+                                        ref_grad)
     dtype = features.dtype
     assert losses.dtype == dtype and losses.shape == (features.shape[0],)
     assert grad_q.dtype == dtype and grad_q.shape == features.shape
-    ref_losses, ref_q, ref_r = anchor_reference_and_grads(features, labels, ref, ref_labels, margin, gamma, weights)
+    ref_losses, ref_q, ref_r = anchor_reference_and_grads(features, labels, ref, ref_labels, margin, gamma, weights,
+                                                          ref_self_index=ref_self_index)
     loss_tol, grad_tol = TOLERANCE[dtype]
     if dtype != torch.float64:
         # Below float64 the gradient's error is set by the rounding of S,
         # which gamma amplifies: bounded by a multiple of plain float32's.
         _, q32, r32 = anchor_reference_and_grads(features, labels, ref, ref_labels, margin, gamma, weights,
-                                                 torch.float32)
+                                                 torch.float32, ref_self_index)
         yardstick = max(relative_error(q32, ref_q), 0 if r32 is None else relative_error(r32, ref_r))
         grad_tol = max(grad_tol, FLOAT32_YARDSTICK_FACTOR * yardstick)
     assert torch.isfinite(losses).all()
     assert relative_error(losses, ref_losses) <= loss_tol, relative_error(losses, ref_losses)
     assert relative_error(grad_q, ref_q) <= grad_tol, relative_error(grad_q, ref_q)
-    if ref is not None:
+    if ref is not None and ref_grad:
         assert grad_r.dtype == dtype and grad_r.shape == ref.shape
         assert relative_error(grad_r, ref_r) <= grad_tol, relative_error(grad_r, ref_r)
+    if ref is not None and not ref_grad:
+        assert grad_r is None
 
 
 def make_reference_set(rows, dim, classes, device, dtype):
@@ -88,6 +93,53 @@ def test_margin_and_gamma(device, margin, gamma):
     ref, ref_labels = make_inputs(90, 16, 5, device, torch.float64)
     assert_anchor_matches_reference(features, labels, margin=margin, gamma=gamma)
     assert_anchor_matches_reference(features, labels, ref, ref_labels, margin=margin, gamma=gamma)
+
+
+def memory_bank(features, labels, size, first):
+    """A bank of `size` rows (features' dtype) that holds the batch from row
+    `first` on, wrapping around as a queue does, other rows drawn at random:
+    (bank, bank_labels, the position of each anchor's copy)."""
+    batch, dim = features.shape
+    bank, bank_labels = make_inputs(size, dim, int(labels.max()) + 1, features.device, features.dtype)
+    position = (first + torch.arange(batch, device=features.device)) % size
+    bank[position] = features
+    bank_labels[position] = labels
+    return bank, bank_labels, position
+
+
+@pytest.mark.parametrize("batch,size,first", [(1, 4, 3), (30, 64, 50), (257, 300, 0), (300, 300, 7), (40, 700, 500)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("ref_grad", [False, True])
+@pytest.mark.sanitize
+def test_self_copies_in_a_memory_bank_are_left_out(device, batch, size, first, dtype, ref_grad):
+    features, labels = make_inputs(batch, 24, 5, device, dtype)
+    bank, bank_labels, position = memory_bank(features, labels, size, first)
+    weights = torch.rand(batch, device=device, dtype=dtype)
+    assert_anchor_matches_reference(features, labels, bank, bank_labels, weights=weights, ref_self_index=position,
+                                    ref_grad=ref_grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.sanitize
+@pytest.mark.half_precision
+def test_self_copies_half_precision(device, dtype):
+    features, labels = make_inputs(200, 64, 8, device, dtype)
+    bank, bank_labels, position = memory_bank(features, labels, 500, 400)
+    assert_anchor_matches_reference(features, labels, bank, bank_labels, ref_self_index=position, ref_grad=False)
+
+
+def test_self_index_outside_the_reference_set_leaves_nothing_out(device):
+    features, labels = make_inputs(50, 8, 4, device)
+    ref, ref_labels = make_inputs(70, 8, 4, device)
+    outside = torch.tensor([-1, 70, -5, 1000, 2**40], device=device).repeat(10)
+    op = torch.ops.circle.anchor_loss
+    assert torch.equal(op(features, labels, ref, ref_labels, ref_self_index=outside), op(features, labels, ref, ref_labels))
+    # Leaving a row's only positive out empties its positive set: that row's loss is 0.
+    labels = torch.arange(50, device=device)
+    ref_labels = torch.cat([labels, labels.new_full((20,), 1000)])
+    losses = op(features, labels, ref, ref_labels, ref_self_index=torch.arange(50, device=device, dtype=torch.int32))
+    assert (op(features, labels, ref, ref_labels) > 0).all()
+    assert torch.equal(losses, torch.zeros_like(losses))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -167,7 +219,10 @@ def test_opcheck(device, requires_grad):
         features.requires_grad_(requires_grad)
         if ref is not None:
             ref.requires_grad_(requires_grad)
-        for args in [(features, labels, ref, ref_labels), (features, labels, ref, ref_labels, 0.25, 32.0)]:
+        calls = [(features, labels, ref, ref_labels), (features, labels, ref, ref_labels, 0.25, 32.0)]
+        if ref is not None:
+            calls.append((features, labels, ref, ref_labels, 0.4, 80.0, torch.arange(batch, device=device) % refs))
+        for args in calls:
             torch.library.opcheck(torch.ops.circle.anchor_loss.default, args, test_utils=OPCHECK_TESTS)
 
 
@@ -175,13 +230,42 @@ def test_opcheck_internal_ops(device):
     features, labels = make_inputs(40, 8, 4, device)
     ref, ref_labels = make_inputs(25, 8, 4, device)
     tests = ("test_schema", "test_autograd_registration", "test_faketensor")
-    for r, rl in [(None, None), (ref, ref_labels)]:
-        args = (features, labels, r, rl, 0.4, 80.0)
+    position = torch.arange(40, device=device) % 25
+    for r, rl, index in [(None, None, None), (ref, ref_labels, None), (ref, ref_labels, position)]:
+        args = (features, labels, r, rl, 0.4, 80.0, index)
         torch.library.opcheck(torch.ops.circle._anchor_loss_forward.default, args, test_utils=tests)
         _, row_lse = torch.ops.circle._anchor_loss_forward(*args)
         grad = torch.rand(40, device=device)
-        torch.library.opcheck(torch.ops.circle._anchor_loss_backward.default,
-                              (grad, features, labels, r, rl, row_lse, 0.4, 80.0), test_utils=tests)
+        for ref_grad in [False, True]:
+            torch.library.opcheck(torch.ops.circle._anchor_loss_backward.default,
+                                  (grad, features, labels, r, rl, row_lse, 0.4, 80.0, index, ref_grad),
+                                  test_utils=tests)
+
+
+@pytest.mark.parametrize("ref_grad", [False, True])
+def test_torch_compile_with_self_index(device, ref_grad):
+    torch._dynamo.reset()
+
+    def step(x, labels, bank, bank_labels, position):
+        losses = circle_loss.anchor_loss(x, labels, bank, bank_labels, ref_self_index=position)
+        return losses.sum()
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    for batch in (20, 33, 47):
+        features, labels = make_inputs(batch, 16, 4, device)
+        bank, bank_labels, position = memory_bank(features, labels, 90, 80)
+        x_eager, x_comp = features.clone().requires_grad_(), features.clone().requires_grad_()
+        bank_eager, bank_comp = bank.clone().requires_grad_(ref_grad), bank.clone().requires_grad_(ref_grad)
+        eager = step(x_eager, labels, bank_eager, bank_labels, position)
+        eager.backward()
+        loss = compiled(x_comp, labels, bank_comp, bank_labels, position)
+        loss.backward()
+        torch.testing.assert_close(loss, eager, rtol=1e-6, atol=0)
+        assert relative_error(x_comp.grad, x_eager.grad) <= TOLERANCE[torch.float32][1]
+        if ref_grad:
+            assert relative_error(bank_comp.grad, bank_eager.grad) <= TOLERANCE[torch.float32][1]
+        else:
+            assert bank_comp.grad is None
 
 
 @pytest.mark.parametrize("with_ref", [False, True])
@@ -276,6 +360,10 @@ def test_torchscript_saved_and_run_in_fresh_process(tmp_path, device):
         (lambda f, y, r, ry: (f[0], y, r, ry), "features must be a 2-D tensor"),
         (lambda f, y, r, ry: (f, y[:-1], r, ry), "labels must have one entry per row of features"),
         (lambda f, y, r, ry: (f, None, r, ry), "labels must be a tensor"),
+        (lambda f, y, r, ry: (f, y, None, None, 0.4, 80.0, y), "ref_self_index names rows of ref_features"),
+        (lambda f, y, r, ry: (f, y, r, ry, 0.4, 80.0, y[:, None]), "ref_self_index must be a 1-D tensor"),
+        (lambda f, y, r, ry: (f, y, r, ry, 0.4, 80.0, y.float()), "ref_self_index must have an integer dtype"),
+        (lambda f, y, r, ry: (f, y, r, ry, 0.4, 80.0, ry), "ref_self_index must have one entry per row of features"),
     ],
 )
 @pytest.mark.parametrize("requires_grad", [False, True])
@@ -301,6 +389,9 @@ def test_reference_on_another_device():
     ref, ref_labels = make_inputs(12, 8, 3, "cpu")
     with pytest.raises(RuntimeError, match="ref_features must be on the device of features"):
         torch.ops.circle.anchor_loss(features, labels, ref, ref_labels)
+    ref, ref_labels = ref.cuda(), ref_labels.cuda()
+    with pytest.raises(RuntimeError, match="ref_self_index must be on the device of features"):
+        torch.ops.circle.anchor_loss(features, labels, ref, ref_labels, ref_self_index=torch.arange(10))
 
 
 def test_double_backward_and_forward_ad_are_refused(device):

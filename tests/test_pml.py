@@ -138,6 +138,66 @@ def test_inside_cross_batch_memory(device):
         assert relative_error(results[1][1], results[0][1]) <= 10 * TOLERANCE[torch.float32]
 
 
+def run_memories(make_pml, make_ours, batches, dtype, device, call=lambda memory, x, y: memory(x, y)):
+    """Feeds the same batches to PML's CrossBatchMemory and to the drop-in and
+    compares every step's loss and gradient, and the banks after each step."""
+    pml_memory, our_memory = make_pml().to(device), make_ours().to(device)
+    for batch in batches:
+        x, y = unnormalised(batch, 16, 5, device, dtype)
+        results = []
+        for memory in (pml_memory, our_memory):
+            leaf = x.clone().requires_grad_()
+            loss = call(memory, leaf, y)
+            loss.backward()
+            results.append((loss.detach(), leaf.grad))
+        assert relative_error(results[1][0], results[0][0]) <= TOLERANCE[dtype], results
+        assert relative_error(results[1][1], results[0][1]) <= 10 * TOLERANCE[dtype]
+        assert our_memory.queue_idx == pml_memory.queue_idx
+        assert torch.equal(our_memory.embedding_memory, pml_memory.embedding_memory)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("size,batches", [(100, [40, 40, 40, 40]), (64, [64, 64]), (50, [7, 30, 1, 44, 50])])
+def test_fused_cross_batch_memory(device, dtype, size, batches, monkeypatch):
+    calls = []
+
+    def recording(*args):
+        calls.append(args[-1])
+        return circle_loss.anchor_loss(*args)
+
+    monkeypatch.setattr(circle_loss.pml, "anchor_loss", recording)
+    run_memories(lambda: losses.CrossBatchMemory(losses.CircleLoss(), embedding_size=16, memory_size=size),
+                 lambda: circle_loss.pml.CrossBatchMemory(circle_loss.pml.CircleLoss(), embedding_size=16,
+                                                          memory_size=size),
+                 batches, dtype, device)
+    # Every step but one of at most two pairs ran on the op, its queries' copies left out by position.
+    assert len(calls) >= len(batches) - 1 and all(c is not None for c in calls)
+
+
+def test_fused_cross_batch_memory_with_enqueue_mask(device):
+    def call(memory, x, y):
+        mask = torch.arange(len(x), device=device) % 3 == 0  # a third to the bank, the rest as queries
+        return memory(x, y, enqueue_mask=mask)
+
+    run_memories(lambda: losses.CrossBatchMemory(losses.CircleLoss(), embedding_size=16, memory_size=60),
+                 lambda: circle_loss.pml.CrossBatchMemory(circle_loss.pml.CircleLoss(), embedding_size=16,
+                                                          memory_size=60),
+                 [30, 30, 30], torch.float64, device, call)
+
+
+@pytest.mark.parametrize("case", ["miner", "distance", "pml_loss"])
+def test_cross_batch_memory_cases_through_pml_code(device, case):
+    def make(loss_cls, memory_cls):
+        distance = distances.CosineSimilarity(power=2) if case == "distance" else distances.CosineSimilarity()
+        loss = (losses.CircleLoss if case == "pml_loss" else loss_cls)(distance=distance)
+        miner = miners.MultiSimilarityMiner(epsilon=0.1) if case == "miner" else None
+        return memory_cls(loss, embedding_size=16, memory_size=80, miner=miner)
+
+    run_memories(lambda: make(losses.CircleLoss, losses.CrossBatchMemory),
+                 lambda: make(circle_loss.pml.CircleLoss, circle_loss.pml.CrossBatchMemory),
+                 [30, 30, 30], torch.float64, device)
+
+
 def test_fused_path_is_taken_where_the_op_is_exact():
     loss_fn = circle_loss.pml.CircleLoss()
     x, y = make_inputs(10, 4, 2, "cpu")

@@ -16,6 +16,7 @@
 #include "tiles.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
@@ -36,8 +37,32 @@ using namespace cpu;
 // Each row's LSE states of (positive, negative) pairs.
 using RowStates = std::vector<PairStates<double>>;
 
-// A tile of pairs rows × cols and their logits. `diagonal`: a diagonal tile
-// of the symmetric case, whose pairs (i, i) belong to no set; their logits
+// The one pair of each row that belongs to no set, as a column of the whole
+// reference set: (i, i) without a reference set, (i, ref_self_index[i]) with
+// one; a column out of range leaves none out.
+struct LeftOutPairs {
+  const int64_t* column = nullptr; // (B,), or null: every pair counts
+
+  // f(r, c) for each row r of the tile of rows [row0, row0 + rows) and
+  // columns [col0, col0 + cols) whose left-out pair (r, c) it holds, r and
+  // c counted from the tile's corner.
+  template <typename F>
+  void for_each_in(int64_t row0, int64_t rows, int64_t col0, int64_t cols, const F& f) const {
+    if (column == nullptr) return;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t c = column[row0 + r] - col0;
+      if (c >= 0 && c < cols) f(r, c);
+    }
+  }
+};
+
+// The tile of rows [row0, row0 + R) and columns [col0, col0 + C) of S.
+struct TileOrigin {
+  int64_t row0;
+  int64_t col0;
+};
+
+// A tile of pairs rows × cols and their logits. The left-out pairs' logits
 // are set to -inf, which contributes exactly nothing to an LSE (below, a
 // -inf logit never counts, as exp(-inf) = 0), so the loops over the tile
 // need no test for them. The loops test the set inline from the int32 class
@@ -56,7 +81,8 @@ struct PairTile {
       const at::Tensor& col_features, // (C, D)
       const int32_t* col_ids_,
       const PairLogit<T>& logit,
-      bool diagonal)
+      const LeftOutPairs& left_out,
+      TileOrigin origin)
       : logits(at::mm(row_features, col_features.t())),
         row_ids(row_ids_),
         col_ids(col_ids_),
@@ -72,11 +98,9 @@ struct PairTile {
         zi[j] = logit(zi[j], yi == y[j], &slope);
       }
     }
-    if (diagonal) {
-      for (int64_t i = 0; i < std::min(n_rows, n_cols); ++i) {
-        logits.data_ptr<T>()[i * n_cols + i] = -std::numeric_limits<T>::infinity();
-      }
-    }
+    left_out.for_each_in(origin.row0, n_rows, origin.col0, n_cols, [&](int64_t r, int64_t c) {
+      logits.data_ptr<T>()[r * n_cols + c] = -std::numeric_limits<T>::infinity();
+    });
   }
 };
 
@@ -275,7 +299,7 @@ at::Tensor softmax_weights(
 }
 
 // The tile of weights W_ij (with col_view: W_ij + W_ji) for rows × cols;
-// diagonal: the pairs (i, i) of a diagonal tile of the symmetric case get 0.
+// the left-out pairs get 0.
 template <typename T>
 at::Tensor tile_weights(
     const at::Tensor& row_features, // (R, D)
@@ -285,7 +309,8 @@ at::Tensor tile_weights(
     const int32_t* col_ids, // (C,)
     const typename RowCoefficients<T>::View* col_view, // or null
     const PairLogit<T>& logit,
-    bool diagonal) {
+    const LeftOutPairs& left_out,
+    TileOrigin origin) {
   const int64_t n_rows = row_features.size(0), n_cols = col_features.size(0);
   at::Tensor logits = at::mm(row_features, col_features.t()); // S, then z
   at::Tensor slopes = at::empty_like(logits);
@@ -313,18 +338,24 @@ at::Tensor tile_weights(
       for (int64_t j = 0; j < n_cols; ++j) wi[j] = row_factor * wi[j] * ci[j];
     }
   }
-  if (diagonal) {
-    for (int64_t i = 0; i < std::min(n_rows, n_cols); ++i) weights.data_ptr<T>()[i * n_cols + i] = T(0);
-  }
+  left_out.for_each_in(origin.row0, n_rows, origin.col0, n_cols, [&](int64_t r, int64_t c) {
+    weights.data_ptr<T>()[r * n_cols + c] = T(0);
+  });
   return weights;
 }
 
 template <typename T>
-RowStates row_states_symmetric(const at::Tensor& f, const int32_t* ids, const PairLogit<T>& logit) {
+RowStates row_states_symmetric(
+    const at::Tensor& f,
+    const int32_t* ids,
+    const PairLogit<T>& logit,
+    const LeftOutPairs& left_out) {
   const int64_t batch = f.size(0);
   RowStates by_row(batch), by_col(batch);
   for_each_symmetric_round(at::divup(batch, kTile), [&](int64_t round, int64_t bi, int64_t bj) {
-    const PairTile<T> tile(block_of(f, bi), ids + bi * kTile, block_of(f, bj), ids + bj * kTile, logit, round == 0);
+    const PairTile<T> tile(
+        block_of(f, bi), ids + bi * kTile, block_of(f, bj), ids + bj * kTile, logit, left_out,
+        {bi * kTile, bj * kTile});
     merge_row_states(tile, by_row.data() + bi * kTile);
     if (round != 0) merge_column_states(tile, by_col.data() + bj * kTile);
   });
@@ -340,11 +371,14 @@ RowStates row_states_against(
     const int32_t* q_ids,
     const at::Tensor& r,
     const int32_t* r_ids,
-    const PairLogit<T>& logit) {
+    const PairLogit<T>& logit,
+    const LeftOutPairs& left_out) {
   RowStates states(q.size(0));
   for_each_task(at::divup(q.size(0), kTile), [&](int64_t bi) {
     for (int64_t bj = 0; bj < at::divup(r.size(0), kTile); ++bj) {
-      const PairTile<T> tile(block_of(q, bi), q_ids + bi * kTile, block_of(r, bj), r_ids + bj * kTile, logit, false);
+      const PairTile<T> tile(
+          block_of(q, bi), q_ids + bi * kTile, block_of(r, bj), r_ids + bj * kTile, logit, left_out,
+          {bi * kTile, bj * kTile});
       merge_row_states(tile, states.data() + bi * kTile);
     }
   });
@@ -357,25 +391,35 @@ struct AnchorInputs {
   at::Tensor r; // (M, D): q itself without a reference set
   at::Tensor q_ids; // (B,) int32
   at::Tensor r_ids; // (M,) int32
+  at::Tensor left_out_columns; // (B,) int64, or undefined: each row's pair in no set
   bool self; // no reference set: the pairs (i, j), j != i, of q
+
+  LeftOutPairs left_out() const {
+    return {left_out_columns.defined() ? left_out_columns.data_ptr<int64_t>() : nullptr};
+  }
 };
 
 AnchorInputs prepare_anchor_inputs(
     const at::Tensor& features,
     const at::Tensor& labels,
     const std::optional<at::Tensor>& ref_features,
-    const std::optional<at::Tensor>& ref_labels) {
+    const std::optional<at::Tensor>& ref_labels,
+    const std::optional<at::Tensor>& ref_self_index) {
   AnchorInputs in;
   in.self = !(ref_features.has_value() && ref_features->defined());
   in.q = features.to(compute_dtype(features)).contiguous();
   if (in.self) {
     in.r = in.q;
     in.q_ids = in.r_ids = class_ids({labels})[0];
+    in.left_out_columns = at::arange(features.size(0), labels.options().dtype(at::kLong));
   } else {
     in.r = ref_features->to(compute_dtype(features)).contiguous();
     const auto ids = class_ids({labels, *ref_labels});
     in.q_ids = ids[0];
     in.r_ids = ids[1];
+    if (ref_self_index.has_value() && ref_self_index->defined()) {
+      in.left_out_columns = ref_self_index->to(at::kLong).contiguous();
+    }
   }
   return in;
 }
@@ -386,10 +430,11 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_cpu(
     const std::optional<at::Tensor>& ref_features, // (M, D)?
     const std::optional<at::Tensor>& ref_labels, // (M,)?
     double margin,
-    double gamma) {
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma);
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   const NoAutocast no_autocast;
-  const AnchorInputs in = prepare_anchor_inputs(features, labels, ref_features, ref_labels);
+  const AnchorInputs in = prepare_anchor_inputs(features, labels, ref_features, ref_labels, ref_self_index);
   const int64_t batch = features.size(0);
   at::Tensor losses = at::empty({batch}, features.options());
   at::Tensor row_lse = at::empty({batch, 2}, in.q.options());
@@ -397,8 +442,8 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_cpu(
     const PairLogit<scalar_t> logit = pair_logit<scalar_t>(margin, gamma);
     const int32_t* q_ids = in.q_ids.data_ptr<int32_t>();
     const RowStates states = in.self
-        ? row_states_symmetric<scalar_t>(in.q, q_ids, logit)
-        : row_states_against<scalar_t>(in.q, q_ids, in.r, in.r_ids.data_ptr<int32_t>(), logit);
+        ? row_states_symmetric<scalar_t>(in.q, q_ids, logit, in.left_out())
+        : row_states_against<scalar_t>(in.q, q_ids, in.r, in.r_ids.data_ptr<int32_t>(), logit, in.left_out());
     scalar_t* lse = row_lse.data_ptr<scalar_t>();
     std::vector<double> values(batch);
     for (int64_t i = 0; i < batch; ++i) {
@@ -419,8 +464,9 @@ at::Tensor anchor_loss_cpu(
     const std::optional<at::Tensor>& ref_features,
     const std::optional<at::Tensor>& ref_labels,
     double margin,
-    double gamma) {
-  return std::get<0>(anchor_loss_forward_cpu(features, labels, ref_features, ref_labels, margin, gamma));
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index) {
+  return std::get<0>(anchor_loss_forward_cpu(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index));
 }
 
 std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cpu(
@@ -431,14 +477,17 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cpu(
     const std::optional<at::Tensor>& ref_labels, // (M,)?
     const at::Tensor& row_lse, // (B, 2)
     double margin,
-    double gamma) {
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma);
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index, // (B,)?
+    bool ref_grad) {
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   check_anchor_backward_inputs(grad_losses, features, row_lse);
   const NoAutocast no_autocast;
-  const AnchorInputs in = prepare_anchor_inputs(features, labels, ref_features, ref_labels);
+  const AnchorInputs in = prepare_anchor_inputs(features, labels, ref_features, ref_labels, ref_self_index);
   const int64_t batch = features.size(0);
+  ref_grad = ref_grad && !in.self;
   at::Tensor grad_q = at::zeros_like(in.q);
-  at::Tensor grad_r = in.self ? at::empty({0, features.size(1)}, features.options()) : at::zeros_like(in.r);
+  at::Tensor grad_r = ref_grad ? at::zeros_like(in.r) : at::empty({0, features.size(1)}, features.options());
   AT_DISPATCH_FLOATING_TYPES(in.q.scalar_type(), "circle_anchor_loss_backward_cpu", [&] {
     using T = scalar_t;
     const PairLogit<T> logit = pair_logit<T>(margin, gamma);
@@ -461,7 +510,7 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cpu(
         const auto col_view = coefficients.from(bj * kTile);
         const at::Tensor c = tile_weights<T>(
             rows, q_ids + bi * kTile, coefficients.from(bi * kTile), cols, q_ids + bj * kTile, &col_view, logit,
-            round == 0);
+            in.left_out(), {bi * kTile, bj * kTile});
         block_of(grad_q, bi).addmm_(c, cols);
         if (round != 0) block_of(by_col, bj).addmm_(c.t(), rows);
       });
@@ -470,28 +519,29 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cpu(
       const int32_t* r_ids = in.r_ids.data_ptr<int32_t>();
       const int64_t row_blocks = at::divup(batch, kTile);
       const int64_t col_blocks = at::divup(in.r.size(0), kTile);
+      const auto weights = [&](int64_t bi, int64_t bj) {
+        return tile_weights<T>(
+            block_of(in.q, bi), q_ids + bi * kTile, coefficients.from(bi * kTile), block_of(in.r, bj),
+            r_ids + bj * kTile, nullptr, logit, in.left_out(), {bi * kTile, bj * kTile});
+      };
       // dQ by row blocks, then dR by column blocks, each walking the other
       // in order: every accumulator has one owner, at the price of forming
-      // the tiles of W twice.
+      // the tiles of W twice (once, when dR is not wanted).
       for_each_task(row_blocks, [&](int64_t bi) {
         for (int64_t bj = 0; bj < col_blocks; ++bj) {
-          const at::Tensor w = tile_weights<T>(
-              block_of(in.q, bi), q_ids + bi * kTile, coefficients.from(bi * kTile), block_of(in.r, bj),
-              r_ids + bj * kTile, nullptr, logit, false);
-          block_of(grad_q, bi).addmm_(w, block_of(in.r, bj));
+          block_of(grad_q, bi).addmm_(weights(bi, bj), block_of(in.r, bj));
         }
       });
-      for_each_task(col_blocks, [&](int64_t bj) {
-        for (int64_t bi = 0; bi < row_blocks; ++bi) {
-          const at::Tensor w = tile_weights<T>(
-              block_of(in.q, bi), q_ids + bi * kTile, coefficients.from(bi * kTile), block_of(in.r, bj),
-              r_ids + bj * kTile, nullptr, logit, false);
-          block_of(grad_r, bj).addmm_(w.t(), block_of(in.q, bi));
-        }
-      });
+      if (ref_grad) {
+        for_each_task(col_blocks, [&](int64_t bj) {
+          for (int64_t bi = 0; bi < row_blocks; ++bi) {
+            block_of(grad_r, bj).addmm_(weights(bi, bj).t(), block_of(in.q, bi));
+          }
+        });
+      }
     }
   });
-  return {grad_q.to(features.scalar_type()), in.self ? grad_r : grad_r.to(features.scalar_type())};
+  return {grad_q.to(features.scalar_type()), grad_r.to(features.scalar_type())};
 }
 
 } // namespace

@@ -72,21 +72,34 @@ __device__ __forceinline__ void add_pair(
 // Loads per thread in flight before any is used: enough to stream S.
 constexpr int kLoadsInFlight = 4;
 
-// Row r of the strip: merges its pairs' LSE states into states[r]. self: the
-// strip's columns start at its first row, so column r is the pair (i, i).
+// The column of the strip (from 0) that holds row r's pair in no set, or -1.
+// self: the strip's columns start at its first row, so column r is the pair
+// (i, i); with a reference set, left_out (the strip's rows, or null) gives
+// each row's left-out column of the whole set, col0 the strip's first one.
+__device__ __forceinline__ int64_t left_out_column(bool self, const int64_t* left_out, int64_t r, int64_t col0, int64_t cols) {
+  if (self) return r;
+  if (left_out == nullptr) return -1;
+  const int64_t c = left_out[r] - col0;
+  return c >= 0 && c < cols ? c : -1;
+}
+
+// Row r of the strip: merges its pairs' LSE states into states[r].
 template <typename acc_t>
 __global__ void __launch_bounds__(kThreads) row_states_kernel(
     const acc_t* __restrict__ s, // (rows, cols)
     int64_t cols,
+    int64_t col0,
     const int64_t* __restrict__ row_labels, // (rows,)
     const int64_t* __restrict__ col_labels, // (cols,)
     bool self,
+    const int64_t* __restrict__ left_out, // (rows,) or null
     PairLogit<acc_t> logit,
     acc_t* __restrict__ states) { // (rows, 4)
   __shared__ acc_t scratch[2 * kWarps];
   const int64_t r = blockIdx.x;
   const acc_t* row = s + r * cols;
   const int64_t label = row_labels[r];
+  const int64_t skipped = left_out_column(self, left_out, r, col0, cols);
   LseState<acc_t> positive;
   LseState<acc_t> negative;
   for (int64_t c0 = threadIdx.x; c0 < cols; c0 += kLoadsInFlight * kThreads) {
@@ -101,7 +114,7 @@ __global__ void __launch_bounds__(kThreads) row_states_kernel(
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) {
       const int64_t c = c0 + u * kThreads;
-      add_pair(logit, value[u], other[u] == label, c >= cols || (self && c == r), positive, negative);
+      add_pair(logit, value[u], other[u] == label, c >= cols || c == skipped, positive, negative);
     }
   }
   block_fold<kThreads>(positive, negative, scratch);
@@ -197,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) coefficients_kernel(
 }
 
 // The gradient weights of every entry of a strip (rows from row0, columns
-// from col0 of their sets). self: the pair (i, i) has none, and each entry
+// from col0 of their sets); the left-out pairs have none. self: each entry
 // also carries the weight of its mirrored pair (j, i), whose logit is the same.
 template <typename acc_t, typename weight_t>
 __global__ void __launch_bounds__(kThreads) weights_kernel(
@@ -209,6 +222,7 @@ __global__ void __launch_bounds__(kThreads) weights_kernel(
     int64_t row0,
     int64_t col0,
     bool self,
+    const int64_t* __restrict__ left_out, // (rows,) or null
     PairLogit<acc_t> logit,
     const acc_t* __restrict__ row_coefficients, // (rows, 3)
     const acc_t* __restrict__ col_coefficients, // (cols, 3): self only
@@ -220,6 +234,8 @@ __global__ void __launch_bounds__(kThreads) weights_kernel(
     if (self) {
       w += RowCoefficients<acc_t>::load(col_coefficients + 3 * c).weight(z, positive, slope);
       if (row0 + r == col0 + c) w = acc_t(0);
+    } else if (left_out != nullptr && left_out[r] == col0 + c) {
+      w = acc_t(0);
     }
     weights[r * cols + c] = static_cast<weight_t>(w);
   });
@@ -248,10 +264,13 @@ class AnchorPasses {
  public:
   using acc_t = at::opmath_type<scalar_t>;
 
-  AnchorPasses(const KernelRows& q, const KernelRows& r, bool self, double margin, double gamma)
+  // left_out: (B,) int64 with a reference set, each row's pair in no set as
+  // a column of it, or undefined.
+  AnchorPasses(const KernelRows& q, const KernelRows& r, bool self, const at::Tensor& left_out, double margin, double gamma)
       : q_(q),
         r_(r),
         self_(self),
+        left_out_(left_out),
         logit_{static_cast<acc_t>(margin), static_cast<acc_t>(gamma)},
         strips_(plan_strips(q.size(), r.size(), /*symmetric=*/self, sizeof(acc_t), max_strip_height(q.size(), self))),
         sms_(multiprocessors()) {
@@ -270,8 +289,8 @@ class AnchorPasses {
     for (const Strip& strip : strips_) {
       const at::Tensor s = strip_similarities(q_, r_, strip, workspace_);
       row_states_kernel<acc_t><<<static_cast<unsigned>(strip.rows), kThreads, 0, stream>>>(
-          s.data_ptr<acc_t>(), strip.cols, row_labels(strip), col_labels(strip), self_, logit_,
-          state + PairStates<acc_t>::kValues * strip.row0);
+          s.data_ptr<acc_t>(), strip.cols, strip.col0, row_labels(strip), col_labels(strip), self_, left_out(strip),
+          logit_, state + PairStates<acc_t>::kValues * strip.row0);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       const int64_t beyond = strip.cols - strip.rows; // columns right of the diagonal block
       if (self_ && beyond > 0) {
@@ -287,8 +306,8 @@ class AnchorPasses {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
-  // (dQ (B, D), dR (M, D); empty without a reference set), in acc_t.
-  std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_losses, const at::Tensor& row_lse) {
+  // (dQ (B, D), dR (M, D) if ref_grad, else (0, D)), in acc_t.
+  std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_losses, const at::Tensor& row_lse, bool ref_grad) {
     const auto stream = c10::cuda::getCurrentCUDAStream();
     const int64_t batch = q_.size();
     const int64_t dim = q_.dim();
@@ -297,7 +316,8 @@ class AnchorPasses {
         grad_losses.data_ptr<scalar_t>(), row_lse.data_ptr<acc_t>(), batch, coefficients.data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     at::Tensor grad_q = at::empty({batch, dim}, workspace_.options());
-    at::Tensor grad_r = self_ ? at::empty({0, dim}, workspace_.options()) : at::empty({r_.size(), dim}, workspace_.options());
+    ref_grad = ref_grad && !self_;
+    at::Tensor grad_r = at::empty({ref_grad ? r_.size() : 0, dim}, workspace_.options());
     if (batch == 0 || r_.size() == 0) {
       grad_q.zero_();
       grad_r.zero_();
@@ -315,7 +335,8 @@ class AnchorPasses {
       const acc_t* coefficient = coefficients.data_ptr<acc_t>();
       weights_kernel<acc_t, scalar_t><<<strip_grid(*strip, sms_), kThreads, 0, stream>>>(
           s.data_ptr<acc_t>(), strip->rows, strip->cols, row_labels(*strip), col_labels(*strip), strip->row0,
-          strip->col0, self_, logit_, coefficient + 3 * strip->row0, self_ ? coefficient + 3 * strip->col0 : nullptr,
+          strip->col0, self_, left_out(*strip), logit_, coefficient + 3 * strip->row0,
+          self_ ? coefficient + 3 * strip->col0 : nullptr,
           weights.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       const at::Tensor own_rows = q_.features.narrow(0, strip->row0, strip->rows);
@@ -326,9 +347,9 @@ class AnchorPasses {
           matmul_add(grad_q.narrow(0, strip->row0 + strip->rows, beyond), weights.narrow(1, strip->rows, beyond).t(),
                      own_rows);
         }
-      } else if (strip == strips_.rbegin()) {
+      } else if (ref_grad && strip == strips_.rbegin()) {
         matmul_into(grad_r, weights.t(), own_rows);
-      } else {
+      } else if (ref_grad) {
         matmul_add(grad_r, weights.t(), own_rows);
       }
     }
@@ -338,18 +359,27 @@ class AnchorPasses {
  private:
   const int64_t* row_labels(const Strip& strip) const { return q_.labels.data_ptr<int64_t>() + strip.row0; }
   const int64_t* col_labels(const Strip& strip) const { return r_.labels.data_ptr<int64_t>() + strip.col0; }
+  const int64_t* left_out(const Strip& strip) const {
+    return left_out_.defined() ? left_out_.data_ptr<int64_t>() + strip.row0 : nullptr;
+  }
 
   const KernelRows& q_;
   const KernelRows& r_;
   bool self_;
+  at::Tensor left_out_;
   PairLogit<acc_t> logit_;
   std::vector<Strip> strips_;
   int sms_;
   at::Tensor workspace_; // (largest strip,) in acc_t
 };
 
-bool has_reference(const std::optional<at::Tensor>& ref_features) {
-  return ref_features.has_value() && ref_features->defined();
+bool is_given(const std::optional<at::Tensor>& tensor) {
+  return tensor.has_value() && tensor->defined();
+}
+
+// ref_self_index as the kernels read it: (B,) int64, or undefined.
+at::Tensor left_out_columns(const std::optional<at::Tensor>& ref_self_index) {
+  return is_given(ref_self_index) ? ref_self_index->to(at::kLong).contiguous() : at::Tensor();
 }
 
 std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_cuda(
@@ -358,11 +388,12 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_cuda(
     const std::optional<at::Tensor>& ref_features, // (M, D)?
     const std::optional<at::Tensor>& ref_labels, // (M,)?
     double margin,
-    double gamma) {
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma);
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   const NoAutocast no_autocast;
   const c10::cuda::CUDAGuard guard(features.device());
-  const bool self = !has_reference(ref_features);
+  const bool self = !is_given(ref_features);
   const KernelRows q = kernel_rows(features, labels);
   const KernelRows r = self ? q : kernel_rows(*ref_features, *ref_labels);
   at::Tensor losses = at::empty({q.size()}, features.options());
@@ -370,8 +401,9 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_cuda(
   if (q.size() == 0) {
     return {losses, row_lse};
   }
+  const at::Tensor left_out = left_out_columns(ref_self_index);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_anchor_loss_cuda", [&] {
-    AnchorPasses<scalar_t>(q, r, self, margin, gamma).forward(losses, row_lse);
+    AnchorPasses<scalar_t>(q, r, self, left_out, margin, gamma).forward(losses, row_lse);
   });
   return {losses, row_lse};
 }
@@ -382,8 +414,9 @@ at::Tensor anchor_loss_cuda(
     const std::optional<at::Tensor>& ref_features,
     const std::optional<at::Tensor>& ref_labels,
     double margin,
-    double gamma) {
-  return std::get<0>(anchor_loss_forward_cuda(features, labels, ref_features, ref_labels, margin, gamma));
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index) {
+  return std::get<0>(anchor_loss_forward_cuda(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index));
 }
 
 std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cuda(
@@ -394,19 +427,23 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cuda(
     const std::optional<at::Tensor>& ref_labels, // (M,)?
     const at::Tensor& row_lse, // (B, 2)
     double margin,
-    double gamma) {
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma);
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index, // (B,)?
+    bool ref_grad) {
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   check_anchor_backward_inputs(grad_losses, features, row_lse);
   const NoAutocast no_autocast;
   const c10::cuda::CUDAGuard guard(features.device());
-  const bool self = !has_reference(ref_features);
+  const bool self = !is_given(ref_features);
   const KernelRows q = kernel_rows(features, labels);
   const KernelRows r = self ? q : kernel_rows(*ref_features, *ref_labels);
+  const at::Tensor left_out = left_out_columns(ref_self_index);
   at::Tensor grad_q;
   at::Tensor grad_r;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_anchor_loss_backward_cuda", [&] {
     const at::Tensor g = grad_losses.to(features.scalar_type()).contiguous();
-    std::tie(grad_q, grad_r) = AnchorPasses<scalar_t>(q, r, self, margin, gamma).backward(g, row_lse.contiguous());
+    std::tie(grad_q, grad_r) =
+        AnchorPasses<scalar_t>(q, r, self, left_out, margin, gamma).backward(g, row_lse.contiguous(), ref_grad);
   });
   return {grad_q.to(features.scalar_type()), grad_r.to(features.scalar_type())};
 }

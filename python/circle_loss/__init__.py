@@ -84,6 +84,7 @@ def anchor_loss(
     ref_labels: torch.Tensor | None = None,
     margin: float = ANCHOR_DEFAULT_MARGIN,
     gamma: float = ANCHOR_DEFAULT_GAMMA,
+    ref_self_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-anchor Circle Loss (pytorch-metric-learning's ``CircleLoss`` formula).
 
@@ -97,6 +98,12 @@ def anchor_loss(
         ref_labels: (M,) integer labels, given exactly when ``ref_features`` is.
         margin: the relaxation margin m.
         gamma: the scale factor γ.
+        ref_self_index: optional (B,) integer positions, only with
+            ``ref_features``: row ``ref_self_index[i]`` of the reference set
+            is anchor i's own copy (as in a memory bank that already holds
+            the batch), and that one pair is left out, as
+            pytorch-metric-learning's ``CrossBatchMemory`` leaves it out. An
+            index outside [0, M) leaves no pair out.
 
     Returns:
         (B,) losses of ``features.dtype``: L_i = softplus(LSE_P(i) + LSE_N(i)),
@@ -104,7 +111,7 @@ def anchor_loss(
         with respect to ``features`` and ``ref_features``. Average the rows as
         you like; pytorch-metric-learning averages those above zero.
     """
-    return torch.ops.circle.anchor_loss(features, labels, ref_features, ref_labels, margin, gamma)
+    return torch.ops.circle.anchor_loss(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index)
 
 
 class AnchorCircleLoss(torch.nn.Module):
