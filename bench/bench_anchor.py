@@ -8,9 +8,13 @@ same size as the yardstick.
     python bench/bench_anchor.py --device cuda --sizes 256 4096 16384 --refs 256:65536 --classes 10 100
 
 Each --refs entry B:M is B queries against M references (anchor_loss with a
-reference set; PML with ref_emb). Prints a Markdown table and writes it with
-the raw rows (JSON) under --out. Timings are torch.utils.benchmark medians;
-nothing here asserts a timing.
+reference set; PML with ref_emb). Each --banks entry B:M is a step of PML's
+CrossBatchMemory: B queries against a full bank of M rows that holds them,
+their own copies left out, the bank detached; there circle_loss.pml's
+CrossBatchMemory and CircleLoss run against PML's, beside the op called
+directly (anchor_loss with ref_self_index). Prints Markdown tables and writes
+them with the raw rows (JSON) under --out. Timings are torch.utils.benchmark
+medians; nothing here asserts a timing.
 """
 
 from __future__ import annotations
@@ -169,6 +173,81 @@ def run(args) -> list[dict]:
     return rows
 
 
+def bank_methods(size, dim, found):
+    """name -> fn(x, labels, bank, bank_labels, copies) -> scalar loss: one
+    CrossBatchMemory step, queries x (raw) against a full bank (raw, detached)
+    whose rows `copies` hold them."""
+    def op(x, y, bank, bank_labels, copies):
+        losses = circle_loss.anchor_loss(F.normalize(x, dim=1), y, F.normalize(bank, dim=1), bank_labels, MARGIN, GAMMA,
+                                         ref_self_index=copies)
+        return losses.sum() / (losses > 0).sum().clamp_min(1)
+
+    bank_fns = {"anchor_loss, bank": op}
+    if "PML" not in found:
+        return bank_fns
+    from pytorch_metric_learning import losses
+
+    from circle_loss import pml as drop_in
+
+    def memory_step(memory_cls, loss_cls):
+        memory = memory_cls(loss_cls(m=MARGIN, gamma=GAMMA), embedding_size=dim, memory_size=size)
+
+        def step(x, y, bank, bank_labels, copies):
+            # Each call enqueues its batch: refill the bank so every step sees the same one.
+            memory.embedding_memory, memory.label_memory = bank.clone(), bank_labels.clone()
+            memory.has_been_filled, memory.queue_idx = True, int(copies[0])
+            return memory(x, y)
+        return step
+
+    bank_fns["drop-in CrossBatchMemory"] = memory_step(drop_in.CrossBatchMemory, drop_in.CircleLoss)
+    bank_fns["PML CrossBatchMemory"] = memory_step(losses.CrossBatchMemory, losses.CircleLoss)
+    return bank_fns
+
+
+def run_banks(args, found) -> list[dict]:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for classes in args.classes:
+        for spec in args.banks:
+            batch, size = (int(v) for v in spec.split(":"))
+            x, y, bank, bank_labels = make_raw_inputs(batch, size, args.dim, classes, device, dtype)
+            copies = torch.arange(size - batch // 2, size - batch // 2 + batch, device=device) % size  # wraps round
+            bank[copies], bank_labels[copies] = x, y
+            for name, fn in bank_methods(size, args.dim, found).items():
+                if name.startswith("PML") and batch * size > args.max_pml_pairs:
+                    continue
+                for mode in ("fwd", "fwd+bwd"):
+                    row = dict(method=name, B=batch, M=size, classes=classes, D=args.dim, dtype=args.dtype, mode=mode,
+                               bank=True)
+                    query = x.clone().requires_grad_(mode == "fwd+bwd")
+                    if mode == "fwd":
+                        call = (lambda f=fn, q=query: f(q, y, bank, bank_labels, copies).detach())
+                    else:
+                        call = (lambda f=fn, q=query: torch.autograd.grad(f(q, y, bank, bank_labels, copies), [q]))
+                    try:
+                        call()
+                        row["seconds"] = median_seconds(call, args.min_run_time)
+                        if device.type == "cuda":
+                            row["peak_bytes"] = cuda_extra_peak_bytes(call)
+                    except Exception as error:
+                        if not is_out_of_memory(error):
+                            raise
+                        row["skipped"] = "out of memory"
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                    rows.append(row)
+                    print(anchor_row(row), flush=True)
+            gemm = (lambda a=x, b=bank: a @ b.T)
+            rows.append(dict(method="GEMM Q·Rᵀ", B=batch, M=size, classes=classes, mode="fwd", bank=True,
+                             seconds=median_seconds(gemm, args.min_run_time)))
+            print(anchor_row(rows[-1]), flush=True)
+            del x, bank
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
 def op_alone_peak(batch, refs, classes, x, y, r, ry, args) -> dict:
     """Extra peak memory of the op's forward+backward alone, on inputs already
     normalised: what the op itself holds beyond its inputs, gradients included."""
@@ -185,13 +264,34 @@ def anchor_row(row) -> str:
     return format_row(row, f"B={row['B']}" + (f" M={row['M']}" if row.get("M") else ""))
 
 
+def ratio(num, den):
+    if not num or not den or "seconds" not in num or "seconds" not in den:
+        return "—"
+    return f"{num['seconds'] / den['seconds']:.2f}×"
+
+
+def bank_table(rows) -> str:
+    by_key = {(r["method"], r["B"], r["M"], r["classes"], r["mode"]): r for r in rows}
+    lines = [
+        "| CrossBatchMemory step: B | bank M | classes | mode | anchor_loss, bank | in GEMMs | drop-in | PML | "
+        "PML / drop-in | drop-in extra peak | PML extra peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for batch, size, classes in sorted({(r["B"], r["M"], r["classes"]) for r in rows}):
+        gemm = by_key.get(("GEMM Q·Rᵀ", batch, size, classes, "fwd"))
+        for mode in ("fwd", "fwd+bwd"):
+            get = lambda name: by_key.get((name, batch, size, classes, mode))  # noqa: E731
+            op, drop, pml = get("anchor_loss, bank"), get("drop-in CrossBatchMemory"), get("PML CrossBatchMemory")
+            lines.append(
+                f"| {batch} | {size} | {classes} | {mode} | {format_time(op)} | {ratio(op, gemm).rstrip('×')} | "
+                f"{format_time(drop)} | {format_time(pml)} | {ratio(pml, drop)} | {format_memory(drop)} | "
+                f"{format_memory(pml)} |"
+            )
+    return "\n".join(lines)
+
+
 def table(rows) -> str:
     by_key = {(r["method"], r["B"], r.get("M"), r["classes"], r["mode"]): r for r in rows}
-
-    def ratio(num, den):
-        if not num or not den or "seconds" not in num or "seconds" not in den:
-            return "—"
-        return f"{num['seconds'] / den['seconds']:.2f}×"
 
     lines = [
         "| B | M | classes | mode | anchor_loss | circle::loss | anchor / circle::loss | anchor in GEMMs | "
@@ -228,6 +328,7 @@ def main() -> None:
     parser.add_argument("--refs", nargs="*", help="B:M shapes with a reference set")
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
+    parser.add_argument("--banks", nargs="*", help="B:M CrossBatchMemory steps (B queries, a bank of M)")
     parser.add_argument("--classes", type=int, nargs="+", default=[100])
     parser.add_argument("--max-pml-pairs", type=int, default=16384 * 16384,
                         help="largest B·M at which PML's B×M matrices are attempted")
@@ -245,10 +346,14 @@ def main() -> None:
         args.sizes = [256, 4096, 16384] if cuda else [256, 1024, 2048]
     if args.refs is None:
         args.refs = ["256:65536"]
+    if args.banks is None:
+        args.banks = ["256:65536", "1024:65536"] if cuda else ["256:8192"]
     torch.manual_seed(0)
     rows = run(args)
+    bank_rows = run_banks(args, methods())
+    rows += bank_rows
     env = environment(args)
-    md = table(rows)
+    md = table([r for r in rows if not r.get("bank")]) + "\n\n" + bank_table(bank_rows)
     print()
     print(" ".join(f"{k}={v}" for k, v in env.items()))
     print(md)
