@@ -6,7 +6,7 @@
 #   tests-ops      the suite without tests/test_examples.py; examples: that file alone
 #   sanitize       compute-sanitizer memcheck and racecheck over the CUDA tests
 #   bench          bench/bench.py (fp32 sizes; label distributions in fp32, bf16, fp16 and TF32-allowed fp32)
-#   bench-anchor   bench/bench_anchor.py (the per-anchor op, the drop-in and PML)
+#   bench-anchor   bench/bench_anchor.py (the per-anchor op, the drop-ins and PML, memory-bank steps)
 #   distributed    with 2+ GPUs: the NCCL test and bench/bench_distributed.py
 # Logs are packed into $OUT/gpu_logs.tgz (or ./gpu_logs).
 #   bash scripts/gpu_check.sh [step ...]
@@ -86,7 +86,8 @@ for step in "${steps[@]}"; do
         --per-rank 4096 16384 --global 32768 --out "$out" 2>&1 | tee "$out/bench_distributed.log" | tail -16 ;;
     bench-anchor)
       python3 bench/bench_anchor.py --device cuda --sizes 256 4096 16384 65536 --refs 256:65536 1024:262144 \
-        --classes 10 100 --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_anchor.log" | tail -20 ;;
+        --banks 256:65536 1024:65536 \
+        --classes 10 100 --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_anchor.log" | tail -45 ;;
     bench)
       # The README's float32 table, then the label distributions at B = 16384
       # in float32, bfloat16 and float16 (also at 65536) and TF32-allowed float32.

@@ -94,35 +94,61 @@ __device__ __forceinline__ void block_fold(LseState<T>& positive, LseState<T>& n
   negative = {largest[1], total[1]};
 }
 
+// The two orders in which fold_partials combines partials across threads.
+enum class FoldOrder {
+  // Each thread rescales its own partials' sums to its own largest max, and
+  // block_fold merges the threads' states: the loss's float64 fold, whose
+  // bits every path of the loss shares.
+  kThreadStates,
+  // The block's largest max first, then every partial's sum rescaled to it
+  // and added up: the exps of a thread's partials are independent and the
+  // block's final step is a plain sum, so the fold is shorter (the small
+  // path's gradient CTAs each wait for such a fold in float32).
+  kBlockMaxFirst,
+};
+
 // Folds partials (n, 4) = (max_P, Σ_P, max_N, Σ_N) in T (float64 for the
-// loss) in a fixed order: thread t folds partials t, t + kBlock, ... (the
+// loss) in a fixed order: thread t takes partials t, t + kBlock, ... (the
 // largest max first, then the sums rescaled to it: independent exps, not a
-// chain of merges), then block_fold. The same kBlock, T and n give the same
-// bits wherever it runs. Every thread gets the result. scratch: 2 · kBlock / 32
-// values of shared memory (none for one warp, kBlock = 32).
-template <int kBlock, typename T, typename partial_t>
+// chain of merges), and the threads combine in `order`. The same kBlock,
+// order, T and n give the same bits wherever it runs. Every thread gets the
+// result. scratch: 2 · kBlock / 32 values of shared memory (none for one
+// warp, kBlock = 32).
+template <int kBlock, FoldOrder order = FoldOrder::kThreadStates, typename T, typename partial_t>
 __device__ __forceinline__ void fold_partials(
     const partial_t* __restrict__ partials, // (n, 4)
     int64_t n,
     T* scratch,
     LseState<T>& positive,
     LseState<T>& negative) {
-  positive = {};
-  negative = {};
+  const int64_t first = threadIdx.x % kBlock;
+  T largest[2] = {-std::numeric_limits<T>::infinity(), -std::numeric_limits<T>::infinity()};
   // Unrolled so that a thread's loads are in flight together, not one by one.
 #pragma unroll 8
-  for (int64_t t = threadIdx.x; t < n; t += kBlock) {
+  for (int64_t t = first; t < n; t += kBlock) {
     const PairStates<T> part = PairStates<T>::at(partials, t);
-    positive.max = nan_max(positive.max, part.positive.max);
-    negative.max = nan_max(negative.max, part.negative.max);
+    largest[0] = nan_max(largest[0], part.positive.max);
+    largest[1] = nan_max(largest[1], part.negative.max);
   }
+  if constexpr (order == FoldOrder::kBlockMaxFirst) {
+    block_reduce<kBlock>(largest, [](T a, T b) { return nan_max(a, b); }, scratch);
+  }
+  T total[2] = {T(0), T(0)};
 #pragma unroll 8
-  for (int64_t t = threadIdx.x; t < n; t += kBlock) {
+  for (int64_t t = first; t < n; t += kBlock) {
     const PairStates<T> part = PairStates<T>::at(partials, t);
-    positive.sum += rescaled_sum(part.positive, positive.max);
-    negative.sum += rescaled_sum(part.negative, negative.max);
+    total[0] += rescaled_sum(part.positive, largest[0]);
+    total[1] += rescaled_sum(part.negative, largest[1]);
   }
-  block_fold<kBlock>(positive, negative, scratch);
+  positive = {largest[0], total[0]};
+  negative = {largest[1], total[1]};
+  if constexpr (order == FoldOrder::kBlockMaxFirst) {
+    block_reduce<kBlock>(total, [](T a, T b) { return a + b; }, scratch);
+    positive.sum = total[0];
+    negative.sum = total[1];
+  } else {
+    block_fold<kBlock>(positive, negative, scratch);
+  }
 }
 
 // The loss in the features' dtype, rounded through the accumulation type as

@@ -56,7 +56,7 @@ constexpr int kRing = 2;
 // A 2-D array of registers as one row of all its values.
 template <typename T, int M, int N>
 __device__ __forceinline__ T (&flat(T (&values)[M][N]))[M * N] {
-  return reinterpret_cast<T(&)[M * N]>(values);
+  return *reinterpret_cast<T(*)[M * N]>(&values);
 }
 
 // One step of a sum across lanes that also splits the values between them:
@@ -185,6 +185,222 @@ struct SimilarityShape {
   static constexpr size_t kSharedBytes = kWarps * kRing * kSlot * sizeof(scalar_t);
 };
 
+// The pairs a thread reduces in the epilogue: one entry of the unit's tile,
+// or one of each tile of a diagonal pair.
+struct UnitEntries {
+  int count; // 1, or 2 for a diagonal pair
+  int i[2];
+  int j[2];
+  bool inside[2]; // a pair of the batch
+  bool positive[2];
+};
+
+__device__ __forceinline__ UnitEntries unit_entries(const SimilarityUnit& unit, const int64_t* labels, int batch) {
+  UnitEntries entries;
+  entries.count = unit.diagonal_pair ? 2 : 1;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int tile_row = unit.diagonal_pair && e == 1 ? unit.b : unit.a;
+    const int tile_col = unit.diagonal_pair ? tile_row : unit.b;
+    entries.i[e] = tile_row * kTile + threadIdx.x / kTile;
+    entries.j[e] = tile_col * kTile + threadIdx.x % kTile;
+    entries.inside[e] = e < entries.count && entries.i[e] < batch && entries.j[e] < batch;
+    entries.positive[e] = entries.inside[e] && labels[entries.i[e]] == labels[entries.j[e]];
+  }
+  return entries;
+}
+
+// A warp's ring of staged chunks of features for its unit: the team of warps
+// that share a tile take its chunks in turn, `rank` this warp's place in it.
+// A diagonal pair's warps stage 16 rows a chunk, half a slot, so their ring
+// holds twice as many chunks: 8 KiB in flight a warp either way.
+template <typename scalar_t>
+struct SimilarityRing {
+  using Shape = SimilarityShape<scalar_t>;
+
+  scalar_t* base; // this warp's kRing slots
+  int team;
+  int rank;
+  bool diagonal_pair;
+  int row0; // the first of the rows staged
+  int col0; // and of the columns, off the diagonal
+
+  __device__ __forceinline__ SimilarityRing(unsigned char* shared, const SimilarityUnit& unit, int warp)
+      : base(reinterpret_cast<scalar_t*>(shared) + warp * kRing * Shape::kSlot),
+        team(unit.diagonal_pair ? kWarps / 2 : kWarps),
+        rank(warp % team),
+        diagonal_pair(unit.diagonal_pair),
+        row0((unit.diagonal_pair && warp >= team ? unit.b : unit.a) * kTile),
+        col0(unit.b * kTile) {}
+
+  __device__ __forceinline__ int size() const { return diagonal_pair ? 2 * kRing : kRing; }
+
+  __device__ __forceinline__ scalar_t* slot(int chunk) const {
+    return base + chunk / team % size() * (diagonal_pair ? kTile * Shape::kPitch : Shape::kSlot);
+  }
+
+  // Where a slot's columns are: after its rows, or the rows themselves.
+  __device__ __forceinline__ int columns_offset() const { return diagonal_pair ? 0 : kTile * Shape::kPitch; }
+
+  __device__ __forceinline__ void stage(int chunk, const scalar_t* features, int batch, int dim, bool vectorized, int lane) const {
+    constexpr int kChunk = Shape::kChunk;
+    constexpr int kPitch = Shape::kPitch;
+    scalar_t* to = slot(chunk);
+    stage_rows<kTile, kChunk, kPitch>(to, features, row0, batch, chunk * kChunk, dim, vectorized, lane);
+    if (!diagonal_pair) {
+      stage_rows<kTile, kChunk, kPitch>(to + kTile * kPitch, features, col0, batch, chunk * kChunk, dim, vectorized, lane);
+    }
+  }
+};
+
+// Which products of the tile a lane makes: features [quarter·kChunk/4,
+// (quarter + 1)·kChunk/4) of each chunk, for the tile's rows row_lane + 4x
+// and columns col_lane + 2y: 12 loads from shared memory for 32·V products.
+// (A 2 × 4 block over the whole chunk took 6 loads for 8·V, and shared
+// memory's bandwidth set the loop's time.)
+struct DotLanes {
+  int quarter;
+  int row_lane;
+  int col_lane;
+
+  __device__ __forceinline__ explicit DotLanes(int lane) : quarter(lane / 8), row_lane(lane % 8 / 2), col_lane(lane % 2) {}
+};
+
+// The main loop: the warp's chunks, each multiplied once staged, the next
+// staged as each slot frees. A diagonal tile is symmetric: its lower-left
+// quarter (rows 8–15, columns 0–7) mirrors the upper-right one and is not
+// computed, which takes a quarter of the products off the diagonal pairs, the
+// CTAs that finish last.
+template <bool kDiagonalPair, typename scalar_t, typename acc_t>
+__device__ __forceinline__ void accumulate_dots(
+    const SimilarityRing<scalar_t>& ring,
+    const scalar_t* features,
+    int batch,
+    int dim,
+    bool vectorized,
+    int lane,
+    acc_t (&dot)[4][8]) {
+  using Shape = SimilarityShape<scalar_t>;
+  constexpr int kChunk = Shape::kChunk;
+  constexpr int kPitch = Shape::kPitch;
+  constexpr int V = kVec<scalar_t>;
+  const DotLanes lanes(lane);
+  const int chunks = (dim + kChunk - 1) / kChunk;
+  for (int c = ring.rank; c < chunks; c += ring.team) {
+    wait_copies<kDiagonalPair ? 2 * kRing - 1 : kRing - 1>(); // this lane's copies of chunk c have landed
+    __syncwarp(); // and every lane's
+    // Every load of this warp has landed: the gradient kernel's CTAs may
+    // start and fetch their features now. Let in at the start, their loads
+    // slowed this kernel's by 1 µs.
+    if (c + ring.team >= chunks) allow_dependents_to_start();
+    const scalar_t* slot = ring.slot(c);
+#pragma unroll
+    for (int u = 0; u < kChunk / 4 / V; ++u) {
+      const int k = lanes.quarter * (kChunk / 4) + u * V;
+      Packed<acc_t, V> a[4];
+      Packed<acc_t, V> b[8];
+#pragma unroll
+      for (int x = 0; x < 4; ++x) a[x] = load_as<acc_t, V>(slot + (lanes.row_lane + 4 * x) * kPitch + k);
+#pragma unroll
+      for (int y = 0; y < 8; ++y) {
+        b[y] = load_as<acc_t, V>(slot + ring.columns_offset() + (lanes.col_lane + 2 * y) * kPitch + k);
+      }
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+#pragma unroll
+        for (int y = 0; y < 8; ++y) {
+          if (kDiagonalPair && x >= 2 && y < 4) continue; // rows ≥ 8, columns < 8
+#pragma unroll
+          for (int v = 0; v < V; ++v) dot[x][y] += a[x].v[v] * b[y].v[v];
+        }
+      }
+    }
+    __syncwarp(); // every lane is done with the slot
+    if (c + ring.size() * ring.team < chunks) ring.stage(c + ring.size() * ring.team, features, batch, dim, vectorized, lane);
+    commit_copies();
+  }
+}
+
+// The quarters' sums, added across lanes l, l^8, l^16, l^24, and written to
+// the warp's (kTile, kTile) block of warp_dots. Each step keeps half of what a
+// lane holds and adds its partner's other half, so the lane ends with rows
+// row_lane + 4x, x = 2·(quarter/2) + [0, 2), columns col_lane + 2y,
+// y = 4·(quarter%2) + [0, 4). On the diagonal the lanes of the upper-right
+// quarter write the lower-left one too, which the others did not compute.
+template <typename acc_t>
+__device__ __forceinline__ void store_warp_dots(
+    acc_t (&dot)[4][8],
+    bool diagonal_pair,
+    int lane,
+    acc_t* warp_dots) { // (kTile, kTile): this warp's
+  const DotLanes lanes(lane);
+  const bool upper_rows = lanes.quarter / 2 == 1;
+  const bool upper_columns = lanes.quarter % 2 == 1;
+  acc_t rows_half[2][8];
+  add_partner_half(flat(dot), upper_rows, 16, flat(rows_half));
+  acc_t quarter_sums[2][4];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) add_partner_half(rows_half[x], upper_columns, 8, quarter_sums[x]);
+  const bool computed = !(diagonal_pair && upper_rows && !upper_columns);
+  const bool mirrored = diagonal_pair && !upper_rows && upper_columns;
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+#pragma unroll
+    for (int y = 0; y < 4; ++y) {
+      const int row = lanes.row_lane + 4 * (2 * upper_rows + x);
+      const int column = lanes.col_lane + 2 * (4 * upper_columns + y);
+      if (computed) warp_dots[row * kTile + column] = quarter_sums[x][y];
+      if (mirrored) warp_dots[column * kTile + row] = quarter_sums[x][y];
+    }
+  }
+}
+
+// The epilogue: each entry's s (its team's warp sums, in warp order), its
+// logit and slope, and the CTA's LSE states of both sets, folded.
+template <typename acc_t>
+__device__ __forceinline__ void reduce_entries(
+    const acc_t* warp_dots, // (kWarps, kTile, kTile)
+    const UnitEntries& entries,
+    int team,
+    const PairLogit<acc_t>& logit,
+    acc_t* fold_scratch,
+    acc_t (&z)[2],
+    acc_t (&slope)[2],
+    LseState<acc_t>& positive,
+    LseState<acc_t>& negative) {
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    acc_t s = acc_t(0);
+    for (int w = e * team; w < (e + 1) * team && w < kWarps; ++w) s += warp_dots[w * kTile * kTile + threadIdx.x];
+    z[e] = logit(s, entries.positive[e], &slope[e]);
+    if (entries.inside[e] && entries.positive[e]) positive.add(z[e], acc_t(1));
+    if (entries.inside[e] && !entries.positive[e]) negative.add(z[e], acc_t(1));
+  }
+  block_fold<kThreads>(positive, negative, fold_scratch);
+}
+
+// E_ij = exp(z − m)·c for the thread's entries, m the CTA's largest z of the
+// pair's set, written for the tile and, off the diagonal, its mirror image.
+template <typename acc_t>
+__device__ __forceinline__ void store_terms(
+    const UnitEntries& entries,
+    bool diagonal_pair,
+    const acc_t (&z)[2],
+    const acc_t (&slope)[2],
+    const LseState<acc_t>& positive,
+    const LseState<acc_t>& negative,
+    int batch,
+    acc_t* terms) { // (B, B)
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (!entries.inside[e]) continue;
+    const LseState<acc_t> entry{z[e], acc_t(1)};
+    const acc_t term = rescaled_sum(entry, entries.positive[e] ? positive.max : negative.max) * slope[e];
+    terms[entries.i[e] * batch + entries.j[e]] = term;
+    if (!diagonal_pair) terms[entries.j[e] * batch + entries.i[e]] = term;
+  }
+}
+
 // Indices are 32-bit: fits_small_batch keeps B·D and B² below 2^31.
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
@@ -197,9 +413,6 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
     acc_t* __restrict__ terms, // (B, B) or null
     acc_t* __restrict__ partials) { // (units, 4)
   using Shape = SimilarityShape<scalar_t>;
-  constexpr int kChunk = Shape::kChunk;
-  constexpr int kPitch = Shape::kPitch;
-  constexpr int V = kVec<scalar_t>;
   static_assert(kWarps * kTile * kTile * sizeof(acc_t) <= Shape::kSharedBytes, "the warps' sums fit in the staging space");
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   __shared__ acc_t fold_scratch[2 * kWarps];
@@ -207,161 +420,36 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
   const SimilarityUnit unit = similarity_unit(blockIdx.x, (batch + kTile - 1) / kTile);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  // Warps that share one tile, and this warp's place among them.
-  const int team = unit.diagonal_pair ? kWarps / 2 : kWarps;
-  const int rank = warp % team;
-  const int row0 = (unit.diagonal_pair && warp >= team ? unit.b : unit.a) * kTile;
-  const int col0 = unit.b * kTile;
+  const UnitEntries entries = unit_entries(unit, labels, batch); // loaded ahead of the main loop
+  const SimilarityRing<scalar_t> ring(shared_bytes, unit, warp);
 
-  // The tiles' entries in the epilogue, one a thread (two for a diagonal
-  // pair); their labels are loaded now.
-  const int entries = unit.diagonal_pair ? 2 : 1;
-  int entry_i[2];
-  int entry_j[2];
-  bool entry_inside[2];
-  bool entry_positive[2];
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int tile_row = unit.diagonal_pair && e == 1 ? unit.b : unit.a;
-    const int tile_col = unit.diagonal_pair ? tile_row : unit.b;
-    entry_i[e] = tile_row * kTile + threadIdx.x / kTile;
-    entry_j[e] = tile_col * kTile + threadIdx.x % kTile;
-    entry_inside[e] = e < entries && entry_i[e] < batch && entry_j[e] < batch;
-    entry_positive[e] = entry_inside[e] && labels[entry_i[e]] == labels[entry_j[e]];
-  }
-
-  // A diagonal pair's warps stage 16 rows a chunk, half a slot, so their ring
-  // holds twice as many chunks: 8 KiB in flight a warp either way.
-  const int ring_size = unit.diagonal_pair ? 2 * kRing : kRing;
-  const int entry_size = unit.diagonal_pair ? kTile * kPitch : Shape::kSlot;
-  scalar_t* ring = reinterpret_cast<scalar_t*>(shared_bytes) + warp * kRing * Shape::kSlot;
-  const auto slot_of = [&](int chunk) { return ring + chunk / team % ring_size * entry_size; };
-  const auto stage_chunk = [&](int chunk) {
-    scalar_t* slot = slot_of(chunk);
-    stage_rows<kTile, kChunk, kPitch>(slot, features, row0, batch, chunk * kChunk, dim, vectorized, lane);
-    if (!unit.diagonal_pair) {
-      stage_rows<kTile, kChunk, kPitch>(slot + kTile * kPitch, features, col0, batch, chunk * kChunk, dim, vectorized, lane);
-    }
-  };
-  // Where the tile's columns are staged: after its rows, or the rows themselves.
-  const int columns_offset = unit.diagonal_pair ? 0 : kTile * kPitch;
-
-  const int chunks = (dim + kChunk - 1) / kChunk;
+  const int chunks = (dim + Shape::kChunk - 1) / Shape::kChunk;
 #pragma unroll
   for (int q = 0; q < 2 * kRing; ++q) {
-    if (q < ring_size) {
-      if (rank + q * team < chunks) stage_chunk(rank + q * team);
+    if (q < ring.size()) {
+      if (ring.rank + q * ring.team < chunks) ring.stage(ring.rank + q * ring.team, features, batch, dim, vectorized, lane);
       commit_copies();
     }
   }
-  // Lane l multiplies features [q·kChunk/4, (q + 1)·kChunk/4) of each chunk,
-  // q = l/8, for the tile's rows g + 4x and columns h + 2y, g = (l%8)/2,
-  // h = l%2: 12 loads from shared memory for 32·V products. (A 2 × 4 block
-  // over the whole chunk took 6 loads for 8·V, and shared memory's bandwidth
-  // set the loop's time.)
-  const int quarter = lane / 8;
-  const int g = lane % 8 / 2;
-  const int h = lane % 2;
-  // A diagonal tile is symmetric: its lower-left quarter (rows 8–15, columns
-  // 0–7) mirrors the upper-right one and is not computed, which takes a
-  // quarter of the products off the diagonal pairs, the CTAs that finish last.
   acc_t dot[4][8] = {};
-  const auto accumulate = [&](auto diagonal_pair) {
-    constexpr bool kDiagonalPair = decltype(diagonal_pair)::value;
-    for (int c = rank; c < chunks; c += team) {
-      wait_copies<kDiagonalPair ? 2 * kRing - 1 : kRing - 1>(); // this lane's copies of chunk c have landed
-      __syncwarp(); // and every lane's
-      // Every load of this warp has landed: the gradient kernel's CTAs may
-      // start and fetch their features now. Let in at the start, their loads
-      // slowed this kernel's by 1 µs.
-      if (c + team >= chunks) allow_dependents_to_start();
-      const scalar_t* slot = slot_of(c);
-#pragma unroll
-      for (int u = 0; u < kChunk / 4 / V; ++u) {
-        const int k = quarter * (kChunk / 4) + u * V;
-        Packed<acc_t, V> a[4];
-        Packed<acc_t, V> b[8];
-#pragma unroll
-        for (int x = 0; x < 4; ++x) a[x] = load_as<acc_t, V>(slot + (g + 4 * x) * kPitch + k);
-#pragma unroll
-        for (int y = 0; y < 8; ++y) b[y] = load_as<acc_t, V>(slot + columns_offset + (h + 2 * y) * kPitch + k);
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-#pragma unroll
-          for (int y = 0; y < 8; ++y) {
-            if (kDiagonalPair && x >= 2 && y < 4) continue; // rows g + 4x ≥ 8, columns h + 2y < 8
-#pragma unroll
-            for (int v = 0; v < V; ++v) dot[x][y] += a[x].v[v] * b[y].v[v];
-          }
-        }
-      }
-      __syncwarp(); // every lane is done with the slot
-      if (c + ring_size * team < chunks) stage_chunk(c + ring_size * team);
-      commit_copies();
-    }
-  };
   if (unit.diagonal_pair) {
-    accumulate(std::true_type{});
+    accumulate_dots<true>(ring, features, batch, dim, vectorized, lane, dot);
   } else {
-    accumulate(std::false_type{});
+    accumulate_dots<false>(ring, features, batch, dim, vectorized, lane, dot);
   }
-  // The quarters' sums, added across lanes l, l^8, l^16, l^24: each step keeps
-  // half of what a lane holds and adds its partner's other half, so the lane
-  // ends with rows g + 4x, x = 2·(q/2) + [0, 2), columns h + 2y,
-  // y = 4·(q%2) + [0, 4).
-  const bool upper_rows = quarter / 2 == 1;
-  const bool upper_columns = quarter % 2 == 1;
-  acc_t rows_half[2][8];
-  add_partner_half(flat(dot), upper_rows, 16, flat(rows_half));
-  acc_t quarter_sums[2][4];
-#pragma unroll
-  for (int x = 0; x < 2; ++x) add_partner_half(rows_half[x], upper_columns, 8, quarter_sums[x]);
-  // On the diagonal the lanes of the upper-right quarter write the lower-left
-  // one too, which the others did not compute.
-  const bool computed = !(unit.diagonal_pair && upper_rows && !upper_columns);
-  const bool mirrored = unit.diagonal_pair && !upper_rows && upper_columns;
   __syncthreads(); // every warp is done with its chunks: the space holds the sums now
   acc_t* warp_dots = reinterpret_cast<acc_t*>(shared_bytes); // [warp][row][column]
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-#pragma unroll
-    for (int y = 0; y < 4; ++y) {
-      const int row = g + 4 * (2 * upper_rows + x);
-      const int column = h + 2 * (4 * upper_columns + y);
-      if (computed) warp_dots[(warp * kTile + row) * kTile + column] = quarter_sums[x][y];
-      if (mirrored) warp_dots[(warp * kTile + column) * kTile + row] = quarter_sums[x][y];
-    }
-  }
+  store_warp_dots(dot, unit.diagonal_pair, lane, warp_dots + warp * kTile * kTile);
   __syncthreads();
 
-  // One or two terms a thread; the tile's multiplicity (off the diagonal the
-  // mirror counts too) scales its sums below.
   acc_t z[2];
   acc_t slope[2];
   LseState<acc_t> positive;
   LseState<acc_t> negative;
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    acc_t s = acc_t(0);
-    for (int w = e * team; w < (e + 1) * team && w < kWarps; ++w) s += warp_dots[w * kTile * kTile + threadIdx.x];
-    z[e] = logit(s, entry_positive[e], &slope[e]);
-    if (entry_inside[e] && entry_positive[e]) positive.add(z[e], acc_t(1));
-    if (entry_inside[e] && !entry_positive[e]) negative.add(z[e], acc_t(1));
-  }
-  block_fold<kThreads>(positive, negative, fold_scratch);
-  if (terms != nullptr) {
-    // E = exp(z − m)·c, m the CTA's largest z of the pair's set (every thread
-    // has it from the fold).
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      if (!entry_inside[e]) continue;
-      const LseState<acc_t> entry{z[e], acc_t(1)};
-      const acc_t term = rescaled_sum(entry, entry_positive[e] ? positive.max : negative.max) * slope[e];
-      terms[entry_i[e] * batch + entry_j[e]] = term;
-      if (!unit.diagonal_pair) terms[entry_j[e] * batch + entry_i[e]] = term;
-    }
-  }
+  reduce_entries(warp_dots, entries, ring.team, logit, fold_scratch, z, slope, positive, negative);
+  if (terms != nullptr) store_terms(entries, unit.diagonal_pair, z, slope, positive, negative, batch, terms);
   if (threadIdx.x == 0) {
+    // Off the diagonal the mirror image's pairs count too.
     const acc_t multiplicity = unit.diagonal_pair ? acc_t(1) : acc_t(2);
     positive.sum *= multiplicity;
     negative.sum *= multiplicity;
@@ -373,9 +461,9 @@ __global__ void __launch_bounds__(kThreads, 2) small_similarity_kernel(
 // 2σ(Z)·exp(m − LSE) = exp(m − M)·2σ(Z)/S, M the set's largest z and S its
 // Σ exp(z − M), folded from the partials by one warp in acc_t. The loss itself
 // is folded in float64 (fold_partials, finish_loss) by a CTA of its own. Every
-// gradient CTA waits for this fold, so it is kept short: float32, no softplus,
-// one log, and each lane's partials read together, with no branch between
-// them (fold_partials<32> took 1.5 µs here at B = 256).
+// gradient CTA waits for this fold, so it is kept short: float32, the block's
+// largest max first (FoldOrder::kBlockMaxFirst), no softplus, one log (the
+// loss's own fold took 1.5 µs here at B = 256).
 template <typename acc_t>
 struct WeightScales {
   acc_t max[2]; // [positive, negative]: the set's largest z
@@ -392,44 +480,15 @@ struct WeightScales {
 template <typename acc_t>
 __device__ __forceinline__ WeightScales<acc_t> fold_weight_scales(
     const acc_t* partials, // (units, 4)
-    int units,
-    int lane) {
-  constexpr int kTogether = 4; // partials a lane reads at once
-  // Partial t, or an empty one past the last.
-  const auto partial = [&](int t, int set) {
-    if (t >= units) return LseState<acc_t>{};
-    const PairStates<acc_t> states = PairStates<acc_t>::at(partials, t);
-    return set == 0 ? states.positive : states.negative;
-  };
-  acc_t largest[2] = {-std::numeric_limits<acc_t>::infinity(), -std::numeric_limits<acc_t>::infinity()};
-  for (int first = lane; first < units; first += 32 * kTogether) {
-#pragma unroll
-    for (int k = 0; k < kTogether; ++k) {
-#pragma unroll
-      for (int set = 0; set < 2; ++set) largest[set] = nan_max(largest[set], partial(first + 32 * k, set).max);
-    }
-  }
-  block_reduce<32>(largest, [](acc_t a, acc_t b) { return nan_max(a, b); }, static_cast<acc_t*>(nullptr));
-  acc_t total[2] = {acc_t(0), acc_t(0)};
-  for (int first = lane; first < units; first += 32 * kTogether) {
-#pragma unroll
-    for (int k = 0; k < kTogether; ++k) {
-#pragma unroll
-      for (int set = 0; set < 2; ++set) total[set] += rescaled_sum(partial(first + 32 * k, set), largest[set]);
-    }
-  }
-  block_reduce<32>(total, [](acc_t a, acc_t b) { return a + b; }, static_cast<acc_t*>(nullptr));
+    int units) {
+  LseState<acc_t> positive;
+  LseState<acc_t> negative;
+  fold_partials<32, FoldOrder::kBlockMaxFirst>(partials, units, static_cast<acc_t*>(nullptr), positive, negative);
   // Z = M_P + M_N + log(S_P·S_N), the maxima summed in float64: they may be
   // large and of opposite signs.
-  const double z = static_cast<double>(largest[0]) + largest[1] + log(total[0] * total[1]);
+  const double z = static_cast<double>(positive.max) + negative.max + log(positive.sum * negative.sum);
   const acc_t grad_scale = acc_t(2) / (acc_t(1) + exp(-static_cast<acc_t>(z)));
-  WeightScales<acc_t> out;
-#pragma unroll
-  for (int set = 0; set < 2; ++set) {
-    out.max[set] = largest[set];
-    out.scale[set] = grad_scale / total[set];
-  }
-  return out;
+  return {{positive.max, negative.max}, {grad_scale / positive.sum, grad_scale / negative.sum}};
 }
 
 // small_gradient_kernel: a CTA owns kTile rows and kSliceCols features of the
@@ -455,6 +514,154 @@ struct GradientShape {
 // gradient kernel's last CTA and, for the loss alone, finalize_kernel fold
 // them alike, so that both paths give the same bits.
 constexpr int kLossFoldThreads = kThreads;
+
+// A warp's ring of staged chunks for one gradient CTA: each slot holds kSpan
+// partners' terms of the CTA's rows, [partner][row], then their features of
+// its slice, [partner][feature].
+template <typename scalar_t, typename acc_t>
+struct GradientRing {
+  using Shape = GradientShape<scalar_t, acc_t>;
+
+  unsigned char* base; // this warp's kRing slots
+  int row0; // the CTA's first row
+  int col0; // and its first feature
+
+  __device__ __forceinline__ acc_t* weights(int chunk) const {
+    return reinterpret_cast<acc_t*>(base + chunk / kWarps % kRing * Shape::kSlotBytes);
+  }
+  __device__ __forceinline__ scalar_t* features(int chunk) const {
+    return reinterpret_cast<scalar_t*>(weights(chunk) + Shape::kWeights);
+  }
+  __device__ __forceinline__ void stage_features(
+      int chunk, const scalar_t* features_in, int batch, int dim, bool vectorized, int lane) const {
+    stage_rows<Shape::kSpan, Shape::kSliceCols, Shape::kSliceCols>(
+        features(chunk), features_in, chunk * Shape::kSpan, batch, col0, dim, vectorized, lane);
+  }
+  __device__ __forceinline__ void stage_terms(int chunk, const acc_t* terms, int batch, bool vectorized, int lane) const {
+    stage_rows<Shape::kSpan, kTile, kTile>(weights(chunk), terms, chunk * Shape::kSpan, batch, row0, batch, vectorized, lane);
+  }
+};
+
+// The factor of each tile of the CTA's row block by set, one lane of warp 0
+// per column block: from the fold of every partial and the tile's own maxima.
+template <typename acc_t>
+__device__ __forceinline__ void tile_set_factors(
+    const acc_t* partials, // (units, 4), in shared memory
+    int units,
+    int row_block,
+    int edge,
+    int lane,
+    acc_t (&set_factor)[2][kSmallBatch / kTile]) {
+  const WeightScales<acc_t> scales = fold_weight_scales(partials, units);
+  if (lane < edge) {
+    const int unit = similarity_unit_of(min(row_block, lane), max(row_block, lane), edge);
+    const PairStates<acc_t> states = PairStates<acc_t>::at(partials, unit);
+    set_factor[0][lane] = scales.factor(0, states.positive.max);
+    set_factor[1][lane] = scales.factor(1, states.negative.max);
+  }
+}
+
+// A staged chunk's terms to weights, in place, by the factor of their set:
+// positive pairs' slopes −γ·αp carry the sign of −γ, negative pairs' γ·αn
+// that of γ (a zero term stays zero either way).
+template <int kCount, typename acc_t>
+__device__ __forceinline__ void terms_to_weights(
+    acc_t* slot, acc_t positive_factor, acc_t negative_factor, bool gamma_negative, int lane) {
+#pragma unroll
+  for (int u = 0; u < kCount / 32; ++u) {
+    const acc_t term = slot[lane + 32 * u];
+    const bool negative_sign = signbit(term);
+    slot[lane + 32 * u] = term * (negative_sign != gamma_negative ? positive_factor : negative_factor);
+  }
+}
+
+// Which products of a chunk a lane makes: partners [partner_half·kSpan/2,
+// (partner_half + 1)·kSpan/2), for rows 8·row_half + [0, 8) and features
+// V·feature_lane + [0, V) and the same kSliceCols/2 on: 4 loads from shared
+// memory for 16·V products, where a block of 4 rows over every partner took
+// 3 for 8·V.
+struct GradientLanes {
+  int partner_half;
+  int row_half;
+  int feature_lane;
+
+  __device__ __forceinline__ explicit GradientLanes(int lane)
+      : partner_half(lane / 16), row_half(lane % 16 / 8), feature_lane(lane % 8) {}
+};
+
+// One chunk's weighted features added to the lane's sums.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void add_weighted_features(
+    const acc_t* weight, // [partner][row]
+    const scalar_t* member, // [partner][feature]
+    const GradientLanes& lanes,
+    acc_t (&sum)[8][2 * kVec<acc_t>]) {
+  using Shape = GradientShape<scalar_t, acc_t>;
+  constexpr int kSpan = Shape::kSpan;
+  constexpr int kSliceCols = Shape::kSliceCols;
+  constexpr int V = kVec<acc_t>;
+#pragma unroll
+  for (int q = 0; q < kSpan / 2; ++q) {
+    const int p = lanes.partner_half * (kSpan / 2) + q;
+    Packed<acc_t, 4> w[2];
+#pragma unroll
+    for (int x = 0; x < 2; ++x) w[x] = load_as<acc_t, 4>(weight + p * kTile + 8 * lanes.row_half + 4 * x);
+    const Packed<acc_t, V> f0 = load_as<acc_t, V>(member + p * kSliceCols + V * lanes.feature_lane);
+    const Packed<acc_t, V> f1 = load_as<acc_t, V>(member + p * kSliceCols + kSliceCols / 2 + V * lanes.feature_lane);
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        sum[r][v] += w[r / 4].v[r % 4] * f0.v[v];
+        sum[r][V + v] += w[r / 4].v[r % 4] * f1.v[v];
+      }
+    }
+  }
+}
+
+// The two partner halves' sums, added across lanes l and l^16, written to the
+// warp's (kTile, kSliceCols) block of warp_sums: the lane keeps rows
+// 8·row_half + 4·partner_half + [0, 4) and adds its partner's.
+template <int kSliceCols, typename acc_t>
+__device__ __forceinline__ void store_warp_sums(
+    acc_t (&sum)[8][2 * kVec<acc_t>],
+    const GradientLanes& lanes,
+    acc_t* warp_sums) { // (kTile, kSliceCols): this warp's
+  constexpr int V = kVec<acc_t>;
+  acc_t row_sums[4][2 * V];
+  add_partner_half(flat(sum), lanes.partner_half == 1, 16, flat(row_sums));
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+#pragma unroll
+    for (int v = 0; v < 2 * V; ++v) {
+      const int row = 8 * lanes.row_half + 4 * lanes.partner_half + r;
+      const int feature = (v < V ? 0 : kSliceCols / 2) + V * lanes.feature_lane + v % V;
+      warp_sums[row * kSliceCols + feature] = row_sums[r][v];
+    }
+  }
+}
+
+// The CTA's block of the gradient: the warps' sums added in warp order.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void store_gradient(
+    const acc_t* warp_sums, // (kWarps, kTile, kSliceCols)
+    int row0,
+    int col0,
+    int batch,
+    int dim,
+    scalar_t* grad) { // (B, D)
+  using Shape = GradientShape<scalar_t, acc_t>;
+  constexpr int kSliceCols = Shape::kSliceCols;
+#pragma unroll
+  for (int u = 0; u < Shape::kOutputs; ++u) {
+    const int e = threadIdx.x + kThreads * u;
+    acc_t total = acc_t(0);
+    for (int w = 0; w < kWarps; ++w) total += warp_sums[w * kTile * kSliceCols + e];
+    const int i = row0 + e / kSliceCols;
+    const int d = col0 + e % kSliceCols;
+    if (i < batch && d < dim) grad[i * dim + d] = static_cast<scalar_t>(total);
+  }
+}
 
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
@@ -489,31 +696,17 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
   }
   const int edge = (batch + kTile - 1) / kTile;
   const int row_block = blockIdx.x % edge;
-  const int row0 = row_block * kTile;
-  const int col0 = blockIdx.x / edge * kSliceCols;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  unsigned char* ring = shared_bytes + warp * kRing * Shape::kSlotBytes;
-  const auto weights_of = [&](int chunk) { // [partner][row]
-    return reinterpret_cast<acc_t*>(ring + chunk / kWarps % kRing * Shape::kSlotBytes);
-  };
-  const auto features_of = [&](int chunk) { // [partner][feature]
-    return reinterpret_cast<scalar_t*>(weights_of(chunk) + Shape::kWeights);
-  };
-  const auto stage_features = [&](int chunk) {
-    stage_rows<kSpan, kSliceCols, kSliceCols>(
-        features_of(chunk), features, chunk * kSpan, batch, col0, dim, vectorized_features, lane);
-  };
-  const auto stage_terms = [&](int chunk) {
-    stage_rows<kSpan, kTile, kTile>(weights_of(chunk), terms, chunk * kSpan, batch, row0, batch, vectorized_terms, lane);
-  };
+  const GradientRing<scalar_t, acc_t> ring{
+      shared_bytes + warp * kRing * Shape::kSlotBytes, row_block * kTile, static_cast<int>(blockIdx.x / edge) * kSliceCols};
 
   // The features do not depend on the similarity kernel: their copies start
   // before it has finished, in the group the partials close.
   const int chunks = (batch + kSpan - 1) / kSpan;
 #pragma unroll
   for (int q = 0; q < kRing; ++q) {
-    if (warp + q * kWarps < chunks) stage_features(warp + q * kWarps);
+    if (warp + q * kWarps < chunks) ring.stage_features(warp + q * kWarps, features, batch, dim, vectorized_features, lane);
   }
   wait_for_prerequisites();
   // The partials go to shared memory in a group of their own (with the
@@ -525,100 +718,36 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
   commit_copies();
 #pragma unroll
   for (int q = 0; q < kRing; ++q) {
-    if (warp + q * kWarps < chunks) stage_terms(warp + q * kWarps);
+    if (warp + q * kWarps < chunks) ring.stage_terms(warp + q * kWarps, terms, batch, vectorized_terms, lane);
     commit_copies();
   }
   wait_copies<kRing>();
   __syncthreads(); // every thread's copies of the partials have landed
-
-  // Warp 0 folds the partials and finds the factors of the tiles of its row
-  // block, one lane per column block.
-  if (warp == 0) {
-    const WeightScales<acc_t> scales = fold_weight_scales(staged_partials, units, lane);
-    if (lane < edge) {
-      const int unit = similarity_unit_of(min(row_block, lane), max(row_block, lane), edge);
-      const PairStates<acc_t> states = PairStates<acc_t>::at(staged_partials, unit);
-      set_factor[0][lane] = scales.factor(0, states.positive.max);
-      set_factor[1][lane] = scales.factor(1, states.negative.max);
-    }
-  }
+  if (warp == 0) tile_set_factors(staged_partials, units, row_block, edge, lane, set_factor);
   __syncthreads();
 
-  // Lane l takes partners [h·kSpan/2, (h + 1)·kSpan/2) of each chunk,
-  // h = l/16, for rows 8·(l%16/8) + [0, 8) and features V·(l%8) + [0, V) and
-  // the same kSliceCols/2 on: 4 loads from shared memory for 16·V products,
-  // where a block of 4 rows over every partner took 3 for 8·V.
-  const int partner_half = lane / 16;
-  const int row_half = lane % 16 / 8;
-  const int lf = lane % 8;
+  const GradientLanes lanes(lane);
   acc_t sum[8][2 * V] = {};
   for (int c = warp; c < chunks; c += kWarps) {
     wait_copies<kRing - 1>(); // this lane's copies of chunk c have landed
     __syncwarp(); // and every lane's
-    acc_t* weight = weights_of(c);
-    const scalar_t* member = features_of(c);
-    // Terms to weights, by the factor of their set: positive pairs' slopes
-    // −γ·αp carry the sign of −γ, negative pairs' γ·αn that of γ (a zero
-    // term stays zero either way).
     const int col_block = c * kSpan / kTile;
-    const acc_t positive_factor = set_factor[0][col_block];
-    const acc_t negative_factor = set_factor[1][col_block];
-#pragma unroll
-    for (int u = 0; u < Shape::kWeights / 32; ++u) {
-      const acc_t term = weight[lane + 32 * u];
-      const bool negative_sign = signbit(term);
-      weight[lane + 32 * u] = term * (negative_sign != gamma_negative ? positive_factor : negative_factor);
-    }
+    terms_to_weights<Shape::kWeights>(ring.weights(c), set_factor[0][col_block], set_factor[1][col_block],
+                                      gamma_negative, lane);
     __syncwarp();
-#pragma unroll
-    for (int q = 0; q < kSpan / 2; ++q) {
-      const int p = partner_half * (kSpan / 2) + q;
-      Packed<acc_t, 4> w[2];
-#pragma unroll
-      for (int x = 0; x < 2; ++x) w[x] = load_as<acc_t, 4>(weight + p * kTile + 8 * row_half + 4 * x);
-      const Packed<acc_t, V> f0 = load_as<acc_t, V>(member + p * kSliceCols + V * lf);
-      const Packed<acc_t, V> f1 = load_as<acc_t, V>(member + p * kSliceCols + kSliceCols / 2 + V * lf);
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-#pragma unroll
-        for (int v = 0; v < V; ++v) {
-          sum[r][v] += w[r / 4].v[r % 4] * f0.v[v];
-          sum[r][V + v] += w[r / 4].v[r % 4] * f1.v[v];
-        }
-      }
-    }
+    add_weighted_features<scalar_t>(ring.weights(c), ring.features(c), lanes, sum);
     __syncwarp(); // every lane is done with the slot
     if (c + kRing * kWarps < chunks) {
-      stage_features(c + kRing * kWarps);
-      stage_terms(c + kRing * kWarps);
+      ring.stage_features(c + kRing * kWarps, features, batch, dim, vectorized_features, lane);
+      ring.stage_terms(c + kRing * kWarps, terms, batch, vectorized_terms, lane);
     }
     commit_copies();
   }
-  // The two partner halves' sums, added across lanes l and l^16: the lane
-  // keeps rows 8·(l%16/8) + 4·h + [0, 4) and adds its partner's.
-  acc_t row_sums[4][2 * V];
-  add_partner_half(flat(sum), partner_half == 1, 16, flat(row_sums));
   __syncthreads(); // every warp is done with its chunks: the space holds the sums now
   acc_t* warp_sums = reinterpret_cast<acc_t*>(shared_bytes); // [warp][row][feature]
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-#pragma unroll
-    for (int v = 0; v < 2 * V; ++v) {
-      const int row = 8 * row_half + 4 * partner_half + r;
-      const int feature = (v < V ? 0 : kSliceCols / 2) + V * lf + v % V;
-      warp_sums[(warp * kTile + row) * kSliceCols + feature] = row_sums[r][v];
-    }
-  }
+  store_warp_sums<kSliceCols>(sum, lanes, warp_sums + warp * kTile * kSliceCols);
   __syncthreads();
-#pragma unroll
-  for (int u = 0; u < Shape::kOutputs; ++u) {
-    const int e = threadIdx.x + kThreads * u;
-    acc_t total = acc_t(0);
-    for (int w = 0; w < kWarps; ++w) total += warp_sums[w * kTile * kSliceCols + e];
-    const int i = row0 + e / kSliceCols;
-    const int d = col0 + e % kSliceCols;
-    if (i < batch && d < dim) grad[i * dim + d] = static_cast<scalar_t>(total);
-  }
+  store_gradient<scalar_t>(warp_sums, ring.row0, ring.col0, batch, dim, grad);
 }
 
 // Kernel attributes hold per device: set once on each, the first time the
