@@ -581,9 +581,9 @@ class StripPasses {
   // float16/bfloat16 features the tensor-core kernels can take (mma_tiles.cuh).
   static bool use_tensor_cores(const KernelRows& rows, const KernelRows& cols) {
     if constexpr (kHasMmaTiles<scalar_t>) {
-      return mma_tiles_apply(tile_lse_kernel<scalar_t>, rows.features) &&
-          mma_tiles_apply(tile_lse_kernel<scalar_t>, cols.features) &&
-          mma_tiles_apply(tile_weights_kernel<scalar_t>, rows.features);
+      return mma_tiles_apply<tile_lse_kernel<scalar_t>>(rows.features) &&
+          mma_tiles_apply<tile_lse_kernel<scalar_t>>(cols.features) &&
+          mma_tiles_apply<tile_weights_kernel<scalar_t>>(rows.features);
     } else {
       return false;
     }

@@ -15,6 +15,8 @@
 
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <utility>
 
 namespace circle_loss {
@@ -149,6 +151,19 @@ __device__ __forceinline__ void fold_partials(
   } else {
     block_fold<kBlock>(positive, negative, scratch);
   }
+}
+
+// Kernel attributes hold per device, and reading or setting them is a driver
+// call: configure() sets `kernel`'s and says whether it can run here, once on
+// each device (the first time the kernel runs there), and its answer is kept.
+template <auto kernel, typename Configure>
+inline bool configure_once(const Configure& configure) {
+  static const int devices = c10::cuda::device_count();
+  static const std::unique_ptr<std::once_flag[]> done(new std::once_flag[devices]);
+  static const std::unique_ptr<bool[]> usable(new bool[devices]());
+  const int device = c10::cuda::current_device();
+  std::call_once(done[device], [&] { usable[device] = configure(); });
+  return usable[device];
 }
 
 // The loss in the features' dtype, rounded through the accumulation type as

@@ -247,18 +247,20 @@ struct TileLabels {
 // 16-byte chunks per row from an aligned start, and a binary for this GPU
 // built for sm_80 or later (before, the tiles compile to nothing). Sets the
 // kernel's dynamic shared memory on the way, which it needs beyond 48 KiB.
-template <typename Kernel>
-inline bool mma_tiles_apply(Kernel kernel, const at::Tensor& features) {
+template <auto kernel>
+inline bool mma_tiles_apply(const at::Tensor& features) {
   if (features.size(1) % 8 != 0 || reinterpret_cast<uintptr_t>(features.data_ptr()) % 16 != 0) {
     return false;
   }
-  cudaFuncAttributes attributes = {};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  if (attributes.binaryVersion < 80) {
-    return false;
-  }
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMmaSharedBytes));
-  return true;
+  return configure_once<kernel>([] {
+    cudaFuncAttributes attributes = {};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+    if (attributes.binaryVersion < 80) {
+      return false;
+    }
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMmaSharedBytes));
+    return true;
+  });
 }
 
 } // namespace

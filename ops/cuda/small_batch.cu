@@ -38,8 +38,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <memory>
-#include <mutex>
 #include <type_traits>
 
 namespace circle_loss {
@@ -750,20 +748,18 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
   store_gradient<scalar_t>(warp_sums, ring.row0, ring.col0, batch, dim, grad);
 }
 
-// Kernel attributes hold per device: set once on each, the first time the
-// kernel runs there. Dynamic shared memory past 48 KiB must be asked for. The
-// largest shared-memory carveout lets a gradient CTA, started early by its
-// dependent launch, fit on an SM beside a similarity CTA: by default the
-// driver sizes an SM's carveout for the kernel it runs first, which left too
-// little room.
-template <typename Kernel>
-void configure_kernel(Kernel* kernel, size_t dynamic_shared_bytes) {
-  static const std::unique_ptr<std::once_flag[]> configured(new std::once_flag[c10::cuda::device_count()]);
-  std::call_once(configured[c10::cuda::current_device()], [&] {
+// Dynamic shared memory past 48 KiB must be asked for. The largest
+// shared-memory carveout lets a gradient CTA, started early by its dependent
+// launch, fit on an SM beside a similarity CTA: by default the driver sizes an
+// SM's carveout for the kernel it runs first, which left too little room.
+template <auto kernel>
+void configure_kernel(size_t dynamic_shared_bytes) {
+  configure_once<kernel>([&] {
     C10_CUDA_CHECK(cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic_shared_bytes)));
     C10_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    return true;
   });
 }
 
@@ -794,7 +790,7 @@ void small_batch(
 
   constexpr auto similarity_kernel = small_similarity_kernel<scalar_t, acc_t>;
   constexpr size_t similarity_bytes = SimilarityShape<scalar_t>::kSharedBytes;
-  configure_kernel(similarity_kernel, similarity_bytes);
+  configure_kernel<similarity_kernel>(similarity_bytes);
   similarity_kernel<<<units, kThreads, similarity_bytes, c10::cuda::getCurrentCUDAStream()>>>(
       feature_data, labels.data_ptr<int64_t>(), batch, dim, vectorized, logit, terms, partials);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -805,7 +801,7 @@ void small_batch(
   *grad = at::empty_like(features);
   using Shape = GradientShape<scalar_t, acc_t>;
   constexpr auto gradient_kernel = small_gradient_kernel<scalar_t, acc_t>;
-  configure_kernel(gradient_kernel, Shape::kSharedBytes);
+  configure_kernel<gradient_kernel>(Shape::kSharedBytes);
   // One CTA per row block and slice of the features, and the loss's.
   const int slices = std::max((dim + Shape::kSliceCols - 1) / Shape::kSliceCols, 1);
   const dim3 grid(edge * slices + 1);
