@@ -123,24 +123,34 @@ __device__ __forceinline__ void fold_partials(
     T* scratch,
     LseState<T>& positive,
     LseState<T>& negative) {
+  // A thread reads its partials kTogether at a time, those past n as empty
+  // states (a select, not a branch), so that their loads and exps are in
+  // flight together: a plain unrolled loop with a runtime count ran as its
+  // remainder loop, a branch around every exp. The empty states change no
+  // bit: nan_max(x, -inf) = x and x + 0 = x.
+  constexpr int kTogether = 4;
+  const auto part = [&](int64_t t) { return t < n ? PairStates<T>::at(partials, t) : PairStates<T>{}; };
   const int64_t first = threadIdx.x % kBlock;
   T largest[2] = {-std::numeric_limits<T>::infinity(), -std::numeric_limits<T>::infinity()};
-  // Unrolled so that a thread's loads are in flight together, not one by one.
-#pragma unroll 8
-  for (int64_t t = first; t < n; t += kBlock) {
-    const PairStates<T> part = PairStates<T>::at(partials, t);
-    largest[0] = nan_max(largest[0], part.positive.max);
-    largest[1] = nan_max(largest[1], part.negative.max);
+  for (int64_t t0 = first; t0 < n; t0 += kBlock * kTogether) {
+#pragma unroll
+    for (int k = 0; k < kTogether; ++k) {
+      const PairStates<T> p = part(t0 + kBlock * k);
+      largest[0] = nan_max(largest[0], p.positive.max);
+      largest[1] = nan_max(largest[1], p.negative.max);
+    }
   }
   if constexpr (order == FoldOrder::kBlockMaxFirst) {
     block_reduce<kBlock>(largest, [](T a, T b) { return nan_max(a, b); }, scratch);
   }
   T total[2] = {T(0), T(0)};
-#pragma unroll 8
-  for (int64_t t = first; t < n; t += kBlock) {
-    const PairStates<T> part = PairStates<T>::at(partials, t);
-    total[0] += rescaled_sum(part.positive, largest[0]);
-    total[1] += rescaled_sum(part.negative, largest[1]);
+  for (int64_t t0 = first; t0 < n; t0 += kBlock * kTogether) {
+#pragma unroll
+    for (int k = 0; k < kTogether; ++k) {
+      const PairStates<T> p = part(t0 + kBlock * k);
+      total[0] += rescaled_sum(p.positive, largest[0]);
+      total[1] += rescaled_sum(p.negative, largest[1]);
+    }
   }
   positive = {largest[0], total[0]};
   negative = {largest[1], total[1]};
