@@ -117,6 +117,26 @@ def cpu_memory_probe(method, mode, batch, refs, dim, dtype, classes) -> None:
     print(_status_bytes("VmHWM") - base)
 
 
+def measure(row, call, device, min_run_time, cpu_peak=None) -> dict:
+    """row with the median time of call() and its extra peak memory (on CUDA,
+    or from cpu_peak() on CPU), or why it was skipped; printed as it lands."""
+    try:
+        call()
+        row["seconds"] = median_seconds(call, min_run_time)
+        if device.type == "cuda":
+            row["peak_bytes"] = cuda_extra_peak_bytes(call)
+        elif cpu_peak is not None:
+            row["peak_bytes"] = cpu_peak()
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        row["skipped"] = "out of memory"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(anchor_row(row), flush=True)
+    return row
+
+
 def run(args) -> list[dict]:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -139,22 +159,9 @@ def run(args) -> list[dict]:
                     step = step_of(fn, mode)
                     inputs = leaves if mode == "fwd+bwd" else (x, y, r, ry)
                     call = (lambda s=step, i=inputs: s(*i))
-                    try:
-                        call()
-                        row["seconds"] = median_seconds(call, args.min_run_time)
-                        if device.type == "cuda":
-                            row["peak_bytes"] = cuda_extra_peak_bytes(call)
-                        elif not args.no_cpu_memory:
-                            row["peak_bytes"] = cpu_extra_peak_bytes(name, mode, batch, refs, args.dim, args.dtype,
-                                                                     classes)
-                    except Exception as error:
-                        if not is_out_of_memory(error):
-                            raise
-                        row["skipped"] = "out of memory"
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
-                    rows.append(row)
-                    print(anchor_row(row), flush=True)
+                    cpu_peak = None if args.no_cpu_memory else (
+                        lambda n=name, m=mode: cpu_extra_peak_bytes(n, m, batch, refs, args.dim, args.dtype, classes))
+                    rows.append(measure(row, call, device, args.min_run_time, cpu_peak))
             if device.type == "cuda":
                 rows.append(op_alone_peak(batch, refs, classes, x, y, r, ry, args))
                 print(anchor_row(rows[-1]), flush=True)
@@ -225,19 +232,7 @@ def run_banks(args, found) -> list[dict]:
                         call = (lambda f=fn, q=query: f(q, y, bank, bank_labels, copies).detach())
                     else:
                         call = (lambda f=fn, q=query: torch.autograd.grad(f(q, y, bank, bank_labels, copies), [q]))
-                    try:
-                        call()
-                        row["seconds"] = median_seconds(call, args.min_run_time)
-                        if device.type == "cuda":
-                            row["peak_bytes"] = cuda_extra_peak_bytes(call)
-                    except Exception as error:
-                        if not is_out_of_memory(error):
-                            raise
-                        row["skipped"] = "out of memory"
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
-                    rows.append(row)
-                    print(anchor_row(row), flush=True)
+                    rows.append(measure(row, call, device, args.min_run_time))
             gemm = (lambda a=x, b=bank: a @ b.T)
             rows.append(dict(method="GEMM Q·Rᵀ", B=batch, M=size, classes=classes, mode="fwd", bank=True,
                              seconds=median_seconds(gemm, args.min_run_time)))
