@@ -344,6 +344,152 @@ constexpr int kBandChunk = 32;
 constexpr int kBandRowsPerThread = kBandRows * kBandCols / kThreads / 2;
 static_assert(kBandRowsPerThread * kWarps == kBandRows && kBandCols == 64, "dot products: 2 rows × 2 columns per thread");
 
+// The CTA's shared memory: its rows and the members of one span step (as
+// rows of features), a chunk of both staged, and the step's weights.
+template <typename acc_t>
+struct BandTiles {
+  int64_t row_of[kBandRows];
+  int64_t col_of[kBandCols];
+  int64_t span[2]; // the sorted positions of the rows' classes: [span[0], span[1])
+  acc_t row_tile[kBandRows][kBandChunk + 1];
+  acc_t col_tile[kBandCols][kBandChunk + 1];
+  acc_t weight[kBandRows][kBandCols];
+};
+
+// One chunk of features [d0, d0 + kBandChunk) of the CTA's rows and of the
+// step's members, held in registers on its way to shared memory (loaded
+// while the previous chunk is multiplied). Zeros past the rows, members and
+// features there are.
+template <typename acc_t>
+struct BandChunk {
+  static constexpr int kRowLoads = kBandRows * kBandChunk / kThreads;
+  static constexpr int kColLoads = kBandCols * kBandChunk / kThreads;
+  acc_t row[kRowLoads];
+  acc_t col[kColLoads];
+
+  template <typename scalar_t>
+  __device__ __forceinline__ void load(
+      const scalar_t* features, int64_t dim, const BandTiles<acc_t>& tiles, int rows, int cols, int64_t d0) {
+#pragma unroll
+    for (int k = 0; k < kRowLoads; ++k) {
+      const int e = threadIdx.x + k * kThreads;
+      const int64_t d = d0 + e % kBandChunk;
+      row[k] = e / kBandChunk < rows && d < dim ? static_cast<acc_t>(features[tiles.row_of[e / kBandChunk] * dim + d]) : acc_t(0);
+    }
+#pragma unroll
+    for (int k = 0; k < kColLoads; ++k) {
+      const int e = threadIdx.x + k * kThreads;
+      const int64_t d = d0 + e % kBandChunk;
+      col[k] = e / kBandChunk < cols && d < dim ? static_cast<acc_t>(features[tiles.col_of[e / kBandChunk] * dim + d]) : acc_t(0);
+    }
+  }
+
+  __device__ __forceinline__ void store(BandTiles<acc_t>& tiles) const {
+#pragma unroll
+    for (int k = 0; k < kRowLoads; ++k) {
+      const int e = threadIdx.x + k * kThreads;
+      tiles.row_tile[e / kBandChunk][e % kBandChunk] = row[k];
+    }
+#pragma unroll
+    for (int k = 0; k < kColLoads; ++k) {
+      const int e = threadIdx.x + k * kThreads;
+      tiles.col_tile[e / kBandChunk][e % kBandChunk] = col[k];
+    }
+  }
+};
+
+// The thread's products in the dot products of a span step: rows
+// dot_row + [0, kBandRowsPerThread), columns dot_col and dot_col + 32.
+struct BandLanes {
+  int dot_row = static_cast<int>(threadIdx.x) / 32 * kBandRowsPerThread;
+  int dot_col = static_cast<int>(threadIdx.x) % 32;
+};
+
+// The negative pairs' share of the CTA's rows, from their strip's stabiliser
+// M to LSE_N and by 2σ(Z). Every (row, feature) of grad stays with one
+// thread throughout the kernel.
+template <typename acc_t>
+__device__ __forceinline__ void scale_negative_share(
+    const BandTiles<acc_t>& tiles, int rows, int64_t dim, acc_t scale, acc_t lse_negative,
+    const acc_t* negative_max, int64_t strip_height, acc_t* grad) {
+  for (int r = 0; r < rows; ++r) {
+    const int64_t i = tiles.row_of[r];
+    const acc_t factor = scale * max_ratio(negative_max[i / strip_height], lse_negative);
+    for (int64_t d = threadIdx.x; d < dim; d += kThreads) grad[i * dim + d] *= factor;
+  }
+}
+
+// The main loop of a span step: the dot products of the rows with the
+// step's members, chunk by chunk through shared memory.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void band_dot_products(
+    const scalar_t* features, int64_t dim, BandTiles<acc_t>& tiles, int rows, int cols,
+    acc_t (&dot)[kBandRowsPerThread][2]) {
+  const BandLanes lanes;
+  BandChunk<acc_t> next;
+  next.load(features, dim, tiles, rows, cols, 0);
+  for (int64_t d0 = 0; d0 < dim; d0 += kBandChunk) {
+    next.store(tiles);
+    __syncthreads();
+    if (d0 + kBandChunk < dim) next.load(features, dim, tiles, rows, cols, d0 + kBandChunk);
+#pragma unroll 4
+    for (int k = 0; k < kBandChunk; ++k) {
+      const acc_t left = tiles.col_tile[lanes.dot_col][k];
+      const acc_t right = tiles.col_tile[lanes.dot_col + 32][k];
+#pragma unroll
+      for (int i = 0; i < kBandRowsPerThread; ++i) {
+        dot[i][0] += tiles.row_tile[lanes.dot_row + i][k] * left;
+        dot[i][1] += tiles.row_tile[lanes.dot_row + i][k] * right;
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// The epilogue of a span step: each product's weight 2σ(Z)·exp(z - LSE_P)·c
+// where its row and member share a class (0 elsewhere), to tiles.weight.
+template <typename acc_t>
+__device__ __forceinline__ void store_band_weights(
+    const acc_t (&dot)[kBandRowsPerThread][2], const int64_t* row_labels, const int64_t* col_labels, int rows,
+    int cols, const PairLogit<acc_t>& logit, acc_t scale, acc_t lse_positive, BandTiles<acc_t>& tiles) {
+  const BandLanes lanes;
+#pragma unroll
+  for (int i = 0; i < kBandRowsPerThread; ++i) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = lanes.dot_row + i;
+      const int c = lanes.dot_col + 32 * half;
+      acc_t w = acc_t(0);
+      if (r < rows && c < cols && row_labels[r] == col_labels[c]) {
+        acc_t slope;
+        const acc_t z = logit(dot[i][half], /*positive=*/true, &slope);
+        w = scale * exp(z - lse_positive) * slope;
+      }
+      tiles.weight[r][c] = w;
+    }
+  }
+}
+
+// The store of a span step: Σ_c weight[r][c]·f_(member c) added to each row's
+// gradient, a feature a thread.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void add_weighted_members(
+    const scalar_t* features, int64_t dim, const BandTiles<acc_t>& tiles, int rows, int cols, acc_t* grad) {
+  for (int64_t d = threadIdx.x; d < dim; d += kThreads) {
+    acc_t sum[kBandRows] = {};
+#pragma unroll 2
+    for (int c = 0; c < cols; ++c) {
+      const acc_t member = static_cast<acc_t>(features[tiles.col_of[c] * dim + d]);
+#pragma unroll
+      for (int r = 0; r < kBandRows; ++r) sum[r] += tiles.weight[r][c] * member;
+    }
+#pragma unroll
+    for (int r = 0; r < kBandRows; ++r) { // sum stays in registers
+      if (r < rows) grad[tiles.row_of[r] * dim + d] += sum[r];
+    }
+  }
+}
+
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads, 2) positive_band_kernel(
     const scalar_t* __restrict__ features, // (B, D)
@@ -356,112 +502,31 @@ __global__ void __launch_bounds__(kThreads, 2) positive_band_kernel(
     const acc_t* __restrict__ negative_max, // (strips,)
     int64_t strip_height,
     acc_t* __restrict__ grad) { // (B, D)
-  constexpr int kRowLoads = kBandRows * kBandChunk / kThreads;
-  constexpr int kColLoads = kBandCols * kBandChunk / kThreads;
-  __shared__ int64_t row_of[kBandRows];
-  __shared__ int64_t col_of[kBandCols];
-  __shared__ int64_t span[2];
-  __shared__ acc_t row_tile[kBandRows][kBandChunk + 1];
-  __shared__ acc_t col_tile[kBandCols][kBandChunk + 1];
-  __shared__ acc_t weight[kBandRows][kBandCols];
+  __shared__ BandTiles<acc_t> tiles;
   const int64_t p0 = blockIdx.x * static_cast<int64_t>(kBandRows);
   const int rows = static_cast<int>(std::min<int64_t>(kBandRows, batch - p0));
   const LossScalars loss = LossScalars::load(scalars);
   const acc_t lse_positive = static_cast<acc_t>(loss.lse_positive);
   const acc_t lse_negative = static_cast<acc_t>(loss.lse_negative);
   const acc_t scale = static_cast<acc_t>(loss.grad_scale);
-  if (threadIdx.x < rows) row_of[threadIdx.x] = order[p0 + threadIdx.x];
+  if (threadIdx.x < rows) tiles.row_of[threadIdx.x] = order[p0 + threadIdx.x];
   if (threadIdx.x == 0) {
-    span[0] = search_sorted(sorted_labels, batch, sorted_labels[p0], /*strictly_above=*/false);
-    span[1] = search_sorted(sorted_labels, batch, sorted_labels[p0 + rows - 1], /*strictly_above=*/true);
+    tiles.span[0] = search_sorted(sorted_labels, batch, sorted_labels[p0], /*strictly_above=*/false);
+    tiles.span[1] = search_sorted(sorted_labels, batch, sorted_labels[p0 + rows - 1], /*strictly_above=*/true);
   }
   __syncthreads();
-  // Every (row, feature) of grad stays with one thread throughout.
-  for (int r = 0; r < rows; ++r) {
-    const int64_t i = row_of[r];
-    const acc_t factor = scale * max_ratio(negative_max[i / strip_height], lse_negative);
-    for (int64_t d = threadIdx.x; d < dim; d += kThreads) grad[i * dim + d] *= factor;
-  }
+  scale_negative_share(tiles, rows, dim, scale, lse_negative, negative_max, strip_height, grad);
   if (scale == acc_t(0)) return; // Z = -inf: no negative pair, a zero gradient
 
-  const int dot_row = threadIdx.x / 32 * kBandRowsPerThread; // rows dot_row + [0, kBandRowsPerThread)
-  const int dot_col = threadIdx.x % 32; // columns dot_col and dot_col + 32
-  for (int64_t q0 = span[0]; q0 < span[1]; q0 += kBandCols) {
-    const int cols = static_cast<int>(std::min<int64_t>(kBandCols, span[1] - q0));
-    if (threadIdx.x < cols) col_of[threadIdx.x] = order[q0 + threadIdx.x];
+  for (int64_t q0 = tiles.span[0]; q0 < tiles.span[1]; q0 += kBandCols) {
+    const int cols = static_cast<int>(std::min<int64_t>(kBandCols, tiles.span[1] - q0));
+    if (threadIdx.x < cols) tiles.col_of[threadIdx.x] = order[q0 + threadIdx.x];
     __syncthreads();
-    acc_t row_next[kRowLoads];
-    acc_t col_next[kColLoads];
-    const auto load_chunk = [&](int64_t d0) {
-#pragma unroll
-      for (int k = 0; k < kRowLoads; ++k) {
-        const int e = threadIdx.x + k * kThreads;
-        const int64_t d = d0 + e % kBandChunk;
-        row_next[k] = e / kBandChunk < rows && d < dim ? static_cast<acc_t>(features[row_of[e / kBandChunk] * dim + d]) : acc_t(0);
-      }
-#pragma unroll
-      for (int k = 0; k < kColLoads; ++k) {
-        const int e = threadIdx.x + k * kThreads;
-        const int64_t d = d0 + e % kBandChunk;
-        col_next[k] = e / kBandChunk < cols && d < dim ? static_cast<acc_t>(features[col_of[e / kBandChunk] * dim + d]) : acc_t(0);
-      }
-    };
     acc_t dot[kBandRowsPerThread][2] = {};
-    load_chunk(0);
-    for (int64_t d0 = 0; d0 < dim; d0 += kBandChunk) {
-#pragma unroll
-      for (int k = 0; k < kRowLoads; ++k) {
-        const int e = threadIdx.x + k * kThreads;
-        row_tile[e / kBandChunk][e % kBandChunk] = row_next[k];
-      }
-#pragma unroll
-      for (int k = 0; k < kColLoads; ++k) {
-        const int e = threadIdx.x + k * kThreads;
-        col_tile[e / kBandChunk][e % kBandChunk] = col_next[k];
-      }
-      __syncthreads();
-      if (d0 + kBandChunk < dim) load_chunk(d0 + kBandChunk);
-#pragma unroll 4
-      for (int k = 0; k < kBandChunk; ++k) {
-        const acc_t left = col_tile[dot_col][k];
-        const acc_t right = col_tile[dot_col + 32][k];
-#pragma unroll
-        for (int i = 0; i < kBandRowsPerThread; ++i) {
-          dot[i][0] += row_tile[dot_row + i][k] * left;
-          dot[i][1] += row_tile[dot_row + i][k] * right;
-        }
-      }
-      __syncthreads();
-    }
-#pragma unroll
-    for (int i = 0; i < kBandRowsPerThread; ++i) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = dot_row + i;
-        const int cc = dot_col + 32 * half;
-        acc_t w = acc_t(0);
-        if (r < rows && cc < cols && sorted_labels[p0 + r] == sorted_labels[q0 + cc]) {
-          acc_t slope;
-          const acc_t z = logit(dot[i][half], /*positive=*/true, &slope);
-          w = scale * exp(z - lse_positive) * slope;
-        }
-        weight[r][cc] = w;
-      }
-    }
+    band_dot_products(features, dim, tiles, rows, cols, dot);
+    store_band_weights(dot, sorted_labels + p0, sorted_labels + q0, rows, cols, logit, scale, lse_positive, tiles);
     __syncthreads();
-    for (int64_t d = threadIdx.x; d < dim; d += kThreads) {
-      acc_t sum[kBandRows] = {};
-#pragma unroll 2
-      for (int cc = 0; cc < cols; ++cc) {
-        const acc_t member = static_cast<acc_t>(features[col_of[cc] * dim + d]);
-#pragma unroll
-        for (int r = 0; r < kBandRows; ++r) sum[r] += weight[r][cc] * member;
-      }
-#pragma unroll
-      for (int r = 0; r < kBandRows; ++r) { // sum stays in registers
-        if (r < rows) grad[row_of[r] * dim + d] += sum[r];
-      }
-    }
+    add_weighted_members(features, dim, tiles, rows, cols, grad);
     __syncthreads(); // col_of and weight are rewritten by the next span step
   }
 }
