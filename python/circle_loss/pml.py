@@ -56,9 +56,9 @@ class CircleLoss(_pml_losses.CircleLoss):
         bank = indices_tuple if isinstance(indices_tuple, _BankPairs) else None
         if bank is not None:
             indices_tuple = None
-            if not self._fused(embeddings, labels, None, ref_emb, ref_labels):
-                indices_tuple = bank.indices_tuple(labels, ref_labels)
         if not self._fused(embeddings, labels, indices_tuple, ref_emb, ref_labels, bank):
+            if bank is not None:
+                indices_tuple = bank.indices_tuple(labels, ref_labels)
             return super().compute_loss(embeddings, labels, indices_tuple, ref_emb, ref_labels)
         # PML leaves out the pairs (i, i) exactly when ref_labels is labels
         # (its default, with ref_emb the embeddings themselves).
@@ -111,8 +111,12 @@ class CrossBatchMemory(_pml_losses.CrossBatchMemory):
                 embeddings, labels, E_mem, L_mem, input_indices_tuple, do_remove_self_comparisons
             )
         # curr_batch_idx: the bank rows that add_to_memory has just filled
-        # with this batch, in its order; PML removes exactly those pairs.
-        return _BankPairs(self.curr_batch_idx if do_remove_self_comparisons else None, self.memory_size)
+        # with this batch, in its order; PML removes exactly those pairs,
+        # except for a batch of one query, whose first and last rows coincide
+        # and which its removal takes for a batch that wraps round the bank:
+        # it keeps that pair, and so does this, to give PML's results.
+        copies = self.curr_batch_idx if do_remove_self_comparisons and len(self.curr_batch_idx) > 1 else None
+        return _BankPairs(copies, self.memory_size)
 
 
 __all__ = ["CircleLoss", "CrossBatchMemory"]
