@@ -4,7 +4,8 @@
 //   forward   each row's (max, Σ exp(z - max)) of both pair sets, then
 //             L_i = softplus(LSE_P(i) + LSE_N(i)).
 //   backward  W_ij = g_i·σ(Z_i)·exp(z_ij - LSE_set(i))·dz/ds, then
-//             dQ = W R and dR = Wᵀ Q.
+//             dQ = W R and, where the references need a gradient,
+//             dR = Wᵀ Q.
 // Without a reference set S is symmetric and so is the logit (it depends on
 // s_ij and on whether the labels match), so only the tiles {I, J} on and
 // above the diagonal are formed: in the forward a tile's row reductions feed

@@ -14,8 +14,8 @@
 // The backward forms the strips again: weights_kernel writes
 //   W_ij = g_i·σ(Z_i)·exp(z_ij - LSE_set(i))·dz/ds   (+ the same for (j, i)
 // without a reference set, from the one entry s_ij), and cuBLAS multiplies:
-// dQ = W R and dR = Wᵀ Q (without a reference set both go to Q, as in the
-// global op's gradient pass).
+// dQ = W R and, where the references need a gradient, dR = Wᵀ Q (without a
+// reference set both go to Q, as in the global op's gradient pass).
 //
 // Every reduction runs in an order fixed by the shapes and the GPU, and
 // cuBLAS is reproducible on a given GPU, so results are bitwise the same from
