@@ -119,6 +119,16 @@ def test_self_copies_in_a_memory_bank_are_left_out(device, batch, size, first, d
                                     ref_grad=ref_grad)
 
 
+def test_module_takes_the_self_index_scripted_too(device):
+    features, labels = make_inputs(40, 16, 4, device)
+    bank, bank_labels, position = memory_bank(features, labels, 100, 70)
+    losses = circle_loss.anchor_loss(features, labels, bank, bank_labels, 0.3, 64.0, ref_self_index=position)
+    expected = losses.sum() / (losses > 0).sum().clamp_min(1)
+    module = circle_loss.AnchorCircleLoss(margin=0.3, gamma=64.0)
+    for criterion in (module, torch.jit.script(module)):
+        torch.testing.assert_close(criterion(features, labels, bank, bank_labels, position), expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.sanitize
 @pytest.mark.half_precision

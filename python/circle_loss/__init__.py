@@ -130,8 +130,11 @@ class AnchorCircleLoss(torch.nn.Module):
         labels: torch.Tensor,
         ref_features: torch.Tensor | None = None,
         ref_labels: torch.Tensor | None = None,
+        ref_self_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        losses = torch.ops.circle.anchor_loss(features, labels, ref_features, ref_labels, self.margin, self.gamma)
+        losses = torch.ops.circle.anchor_loss(
+            features, labels, ref_features, ref_labels, self.margin, self.gamma, ref_self_index
+        )
         # Without a host synchronisation: the count is a tensor, clamped so
         # that no nonzero row gives 0 / 0.
         nonzero = (losses > 0).sum().clamp_min(1)
