@@ -126,10 +126,6 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_below_autograd(
   return op.call(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
 }
 
-bool is_given(const std::optional<at::Tensor>& tensor) {
-  return tensor.has_value() && tensor->defined();
-}
-
 // The saved optional tensor, or none where the forward had none.
 std::optional<at::Tensor> if_given(const at::Tensor& saved) {
   return saved.defined() ? std::optional<at::Tensor>(saved) : std::nullopt;

@@ -81,8 +81,8 @@ void check_anchor_inputs(
     const std::optional<at::Tensor>& ref_self_index) { // (B,)?
   constexpr const char* op = "circle::anchor_loss";
   check_rows(op, "features", "labels", "B", features, labels);
-  const bool has_features = ref_features.has_value() && ref_features->defined();
-  const bool has_labels = ref_labels.has_value() && ref_labels->defined();
+  const bool has_features = is_given(ref_features);
+  const bool has_labels = is_given(ref_labels);
   TORCH_CHECK(
       has_features == has_labels,
       op, ": ref_features and ref_labels must be given together, got ",
@@ -108,7 +108,7 @@ void check_anchor_inputs(
         " and ",
         features.device());
   }
-  if (ref_self_index.has_value() && ref_self_index->defined()) {
+  if (is_given(ref_self_index)) {
     const at::Tensor& index = *ref_self_index;
     TORCH_CHECK(
         has_features,

@@ -56,6 +56,18 @@ void check_anchor_inputs(
     double gamma,
     const std::optional<at::Tensor>& ref_self_index);
 
+// Whether an optional tensor argument was given: None arrives as nullopt or,
+// through some callers, as an undefined tensor.
+inline bool is_given(const std::optional<at::Tensor>& tensor) {
+  return tensor.has_value() && tensor->defined();
+}
+
+// ref_self_index as the kernels read it: (B,) int64 and contiguous, or an
+// undefined tensor where none was given.
+inline at::Tensor left_out_columns(const std::optional<at::Tensor>& ref_self_index) {
+  return is_given(ref_self_index) ? ref_self_index->to(at::kLong).contiguous() : at::Tensor();
+}
+
 // row_lse: (B, 2) in features' accumulation dtype, as _anchor_loss_forward
 // returns it; grad_losses: (B,) on features' device.
 void check_anchor_backward_inputs(

@@ -97,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_meta(
     bool ref_grad) {
   check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   check_anchor_backward_inputs(grad_losses, features, row_lse);
-  const bool has_ref = ref_features.has_value() && ref_features->defined();
+  const bool has_ref = is_given(ref_features);
   return {
       at::empty_symint(features.sym_sizes(), features.options()),
       has_ref && ref_grad ? at::empty_symint(ref_features->sym_sizes(), features.options())

@@ -407,7 +407,7 @@ AnchorInputs prepare_anchor_inputs(
     const std::optional<at::Tensor>& ref_labels,
     const std::optional<at::Tensor>& ref_self_index) {
   AnchorInputs in;
-  in.self = !(ref_features.has_value() && ref_features->defined());
+  in.self = !is_given(ref_features);
   in.q = features.to(compute_dtype(features)).contiguous();
   if (in.self) {
     in.r = in.q;
@@ -418,9 +418,7 @@ AnchorInputs prepare_anchor_inputs(
     const auto ids = class_ids({labels, *ref_labels});
     in.q_ids = ids[0];
     in.r_ids = ids[1];
-    if (ref_self_index.has_value() && ref_self_index->defined()) {
-      in.left_out_columns = ref_self_index->to(at::kLong).contiguous();
-    }
+    in.left_out_columns = left_out_columns(ref_self_index);
   }
   return in;
 }

@@ -373,15 +373,6 @@ class AnchorPasses {
   at::Tensor workspace_; // (largest strip,) in acc_t
 };
 
-bool is_given(const std::optional<at::Tensor>& tensor) {
-  return tensor.has_value() && tensor->defined();
-}
-
-// ref_self_index as the kernels read it: (B,) int64, or undefined.
-at::Tensor left_out_columns(const std::optional<at::Tensor>& ref_self_index) {
-  return is_given(ref_self_index) ? ref_self_index->to(at::kLong).contiguous() : at::Tensor();
-}
-
 std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_cuda(
     const at::Tensor& features, // (B, D)
     const at::Tensor& labels, // (B,)
