@@ -152,13 +152,12 @@ __device__ __forceinline__ void fold_partials(
       total[1] += rescaled_sum(p.negative, largest[1]);
     }
   }
-  positive = {largest[0], total[0]};
-  negative = {largest[1], total[1]};
   if constexpr (order == FoldOrder::kBlockMaxFirst) {
     block_reduce<kBlock>(total, [](T a, T b) { return a + b; }, scratch);
-    positive.sum = total[0];
-    negative.sum = total[1];
-  } else {
+  }
+  positive = {largest[0], total[0]};
+  negative = {largest[1], total[1]};
+  if constexpr (order == FoldOrder::kThreadStates) {
     block_fold<kBlock>(positive, negative, scratch);
   }
 }
