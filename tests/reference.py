@@ -65,10 +65,11 @@ def reference_loss_and_grad(
     return loss.detach(), grad
 
 
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+def relative_error(actual: torch.Tensor, expected: torch.Tensor, floor: float = 0.0) -> float:
+    """||actual - expected|| / ||expected||; a norm below floor counts as floor."""
     actual = actual.detach().double().cpu()
     expected = expected.detach().double().cpu()
-    scale = expected.norm().item()
+    scale = max(expected.norm().item(), floor)
     diff = (actual - expected).norm().item()
     return diff if scale == 0 else diff / scale
 

@@ -151,7 +151,12 @@ def run_memories(make_pml, make_ours, batches, dtype, device, call=lambda memory
             loss.backward()
             results.append((loss.detach(), leaf.grad))
         assert relative_error(results[1][0], results[0][0]) <= TOLERANCE[dtype], results
-        assert relative_error(results[1][1], results[0][1]) <= 10 * TOLERANCE[dtype]
+        # A batch of one whose negatives all lie below -m (their weights clamp to
+        # zero) gets its gradient from the pair with its own copy alone, which
+        # PML keeps there. That gradient is zero in exact arithmetic: d(x̂·x̂)/dx̂
+        # is radial and the normalisation's backward projects it out. What
+        # remains is rounding, about 1e-11 in float32, so such norms count as 1e-6.
+        assert relative_error(results[1][1], results[0][1], floor=1e-6) <= 10 * TOLERANCE[dtype]
         assert our_memory.queue_idx == pml_memory.queue_idx
         assert torch.equal(our_memory.embedding_memory, pml_memory.embedding_memory)
 
