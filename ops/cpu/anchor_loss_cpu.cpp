@@ -84,7 +84,7 @@ struct PairTile {
       const PairLogit<T>& logit,
       const LeftOutPairs& left_out,
       TileOrigin origin)
-      : logits(at::mm(row_features, col_features.t())),
+      : logits(similarity_tile(row_features, col_features)),
         row_ids(row_ids_),
         col_ids(col_ids_),
         rows(row_features.size(0)),
@@ -313,7 +313,7 @@ at::Tensor tile_weights(
     const LeftOutPairs& left_out,
     TileOrigin origin) {
   const int64_t n_rows = row_features.size(0), n_cols = col_features.size(0);
-  at::Tensor logits = at::mm(row_features, col_features.t()); // S, then z
+  at::Tensor logits = similarity_tile(row_features, col_features); // S, then z
   at::Tensor slopes = at::empty_like(logits);
   const int32_t* __restrict__ y = col_ids;
   for (int64_t i = 0; i < n_rows; ++i) {

@@ -43,7 +43,7 @@ PairStates<double> tile_lse(
     double multiplicity) {
   const int64_t n_rows = rows.size(0);
   const int64_t n_cols = cols.size(0);
-  at::Tensor z = at::mm(rows, cols.t());
+  at::Tensor z = similarity_tile(rows, cols);
   T* zs = z.data_ptr<T>();
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   std::vector<T> col_max_pos_v(n_cols, kNegInf);
@@ -163,7 +163,7 @@ at::Tensor tile_gradient_weights(
   const T lse_pos = static_cast<T>(scalars.lse_positive);
   const T lse_neg = static_cast<T>(scalars.lse_negative);
   const T scale = static_cast<T>(scalars.grad_scale);
-  at::Tensor weights = at::mm(rows, cols.t()); // S, then exp(z - LSE), then G
+  at::Tensor weights = similarity_tile(rows, cols); // S, then exp(z - LSE), then G
   at::Tensor slopes = at::empty_like(weights);
   T* __restrict__ ws = weights.data_ptr<T>();
   T* __restrict__ cs = slopes.data_ptr<T>();

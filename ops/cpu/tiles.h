@@ -11,6 +11,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_unique.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 
 #include <atomic>
 #include <type_traits>
@@ -63,6 +65,30 @@ inline void for_each_symmetric_round(int64_t blocks, const Task& task) {
     const int64_t tiles = (2 * round == blocks) ? blocks / 2 : blocks;
     for_each_task(tiles, [&](int64_t bi) { task(round, bi, (bi + round) % blocks); });
   }
+}
+
+// The tile rows · colsᵀ of S. A diagonal tile (cols the same rows: S_II,
+// symmetric) takes three quarters of the multiply-adds: the top half of the
+// rows against all of them, the bottom half against itself, and the
+// bottom-left quarter mirrored from the top-right one, which makes the tile
+// exactly symmetric as S is. At B = 1024 a quarter of the tiles on and above
+// the diagonal are diagonal ones.
+inline at::Tensor similarity_tile(const at::Tensor& rows, const at::Tensor& cols) {
+  const bool diagonal = rows.data_ptr() == cols.data_ptr() && rows.sizes() == cols.sizes();
+  const int64_t n = rows.size(0);
+  const int64_t top = n / 2;
+  if (!diagonal || top == 0) {
+    return at::mm(rows, cols.t());
+  }
+  at::Tensor s = at::empty({n, n}, rows.options());
+  at::Tensor upper = s.narrow(0, 0, top);
+  at::Tensor lower = s.narrow(0, top, n - top);
+  at::Tensor lower_right = lower.narrow(1, top, n - top);
+  const at::Tensor lower_rows = rows.narrow(0, top, n - top);
+  at::mm_out(upper, rows.narrow(0, 0, top), rows.t());
+  at::mm_out(lower_right, lower_rows, lower_rows.t());
+  lower.narrow(1, 0, top).copy_(upper.narrow(1, top, n - top).t());
+  return s;
 }
 
 // The dtype the kernel computes in: float32 for float16/bfloat16, as their
