@@ -107,68 +107,66 @@ struct PairTile {
 
 // Reductions along a row run in kLanes independent lanes, each an
 // elementwise step over a chunk of the row, so that they vectorise (one
-// running value per row would chain every step to the last).
+// running value per row would chain every step to the last). Reductions
+// down the columns keep one value per column: elementwise over each row.
 constexpr int64_t kLanes = 16;
 
-// exp(z - m) with m the max of z's set, max_pos or max_neg indexed by z's row
-// (by_row) or column; 0 for z = -inf. As max_ratio: a logit equal to its
-// set's max gives exp(0), +inf too.
-template <typename T>
-at::Tensor shifted_exp(const PairTile<T>& tile, const T* max_pos, const T* max_neg, bool by_row) {
-  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
-  const int64_t n_rows = tile.rows, n_cols = tile.cols;
-  const int32_t* __restrict__ y = tile.col_ids;
-  at::Tensor shifted = at::empty_like(tile.logits);
-  for (int64_t i = 0; i < n_rows; ++i) {
-    const T* __restrict__ zi = tile.logits.template data_ptr<T>() + i * n_cols;
-    T* __restrict__ di = shifted.data_ptr<T>() + i * n_cols;
-    const int32_t yi = tile.row_ids[i];
-    if (by_row) {
-      const T row_pos = max_pos[i], row_neg = max_neg[i];
-      for (int64_t j = 0; j < n_cols; ++j) {
-        const T m = yi == y[j] ? row_pos : row_neg;
-        di[j] = zi[j] == kNegInf ? kNegInf : zi[j] == m ? T(0) : exp_argument(zi[j] - m);
-      }
-    } else {
-      const T* __restrict__ col_pos = max_pos;
-      const T* __restrict__ col_neg = max_neg;
-      for (int64_t j = 0; j < n_cols; ++j) {
-        const T pos = col_pos[j], neg = col_neg[j];
-        const T m = yi == y[j] ? pos : neg;
-        di[j] = zi[j] == kNegInf ? kNegInf : zi[j] == m ? T(0) : exp_argument(zi[j] - m);
-      }
-    }
+// Calls step(k, j) for every column j of a row, k = j mod kLanes, in chunks
+// of kLanes that the compiler makes one vector step each.
+template <typename Step>
+inline void for_each_lane(int64_t n_cols, const Step& step) {
+  int64_t j0 = 0;
+  for (; j0 + kLanes <= n_cols; j0 += kLanes) {
+    for (int64_t k = 0; k < kLanes; ++k) step(k, j0 + k); // a fixed count: one vector step
   }
-  return shifted.exp_(); // ATen's vectorised exp
+  for (int64_t k = 0; j0 + k < n_cols; ++k) step(k, j0 + k);
 }
 
-// Merges the LSE states of the tile's rows into states[0, R): the maxima,
-// then the sums of exp(z - max).
+// exp(z - m) with m the max of z's set; 0 for z = -inf. As max_ratio: a
+// logit equal to its set's max gives exp(0), +inf too.
 template <typename T>
-void merge_row_states(const PairTile<T>& tile, PairStates<double>* states) {
+inline T shifted_argument(T z, T m) {
+  // Three selects in a row, which the compiler keeps as vector blends (a
+  // nested conditional becomes control flow and a scalar loop).
+  T d = exp_argument(z - m);
+  d = z == m ? T(0) : d;
+  d = z == -std::numeric_limits<T>::infinity() ? z : d;
+  return d;
+}
+
+// Merges the tile's LSE states into its rows' (row_states[0, R)) and, with
+// kColumns, its columns' (col_states[0, C)), in three passes over the tile
+// that serve both: the maxima, then every exp(z - max) into one buffer for
+// one exp call, then the sums of that buffer.
+template <bool kColumns, typename T>
+void merge_tile_states(const PairTile<T>& tile, PairStates<double>* row_states, PairStates<double>* col_states) {
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   const int64_t n_rows = tile.rows, n_cols = tile.cols;
   const int32_t* __restrict__ y = tile.col_ids;
+  const T* zs = tile.logits.template data_ptr<T>();
   std::vector<T> row_max_pos(n_rows), row_max_neg(n_rows);
+  std::vector<T> col_max_pos_v(kColumns ? n_cols : 0, kNegInf), col_max_neg_v(kColumns ? n_cols : 0, kNegInf);
+  T* __restrict__ col_max_pos = col_max_pos_v.data();
+  T* __restrict__ col_max_neg = col_max_neg_v.data();
   for (int64_t i = 0; i < n_rows; ++i) {
-    const T* __restrict__ zi = tile.logits.template data_ptr<T>() + i * n_cols;
+    const T* __restrict__ zi = zs + i * n_cols;
     const int32_t yi = tile.row_ids[i];
     T lane_pos[kLanes], lane_neg[kLanes];
     std::fill(lane_pos, lane_pos + kLanes, kNegInf);
     std::fill(lane_neg, lane_neg + kLanes, kNegInf);
-    const auto take = [&](int64_t k, int64_t j) {
+    for_each_lane(n_cols, [&](int64_t k, int64_t j) {
       const bool positive = yi == y[j];
       const T v_pos = positive ? zi[j] : kNegInf;
       const T v_neg = positive ? kNegInf : zi[j];
       const T max_pos = lane_pos[k], max_neg = lane_neg[k];
       lane_pos[k] = tile_max(v_pos, max_pos);
       lane_neg[k] = tile_max(v_neg, max_neg);
-    };
-    int64_t j0 = 0;
-    for (; j0 + kLanes <= n_cols; j0 += kLanes) {
-      for (int64_t k = 0; k < kLanes; ++k) take(k, j0 + k);
-    }
-    for (int64_t k = 0; j0 + k < n_cols; ++k) take(k, j0 + k);
+      if constexpr (kColumns) {
+        const T old_pos = col_max_pos[j], old_neg = col_max_neg[j];
+        col_max_pos[j] = tile_max(v_pos, old_pos);
+        col_max_neg[j] = tile_max(v_neg, old_neg);
+      }
+    });
     T m_pos = kNegInf, m_neg = kNegInf;
     for (int64_t k = 0; k < kLanes; ++k) {
       m_pos = tile_max(lane_pos[k], m_pos);
@@ -177,70 +175,57 @@ void merge_row_states(const PairTile<T>& tile, PairStates<double>* states) {
     row_max_pos[i] = m_pos;
     row_max_neg[i] = m_neg;
   }
-  const at::Tensor shifted = shifted_exp(tile, row_max_pos.data(), row_max_neg.data(), /*by_row=*/true);
+  // [0]: exp(z - its row's max); [1], with kColumns: exp(z - its column's max)
+  const at::Tensor shifted = at::empty({kColumns ? 2 : 1, n_rows, n_cols}, tile.logits.options());
+  T* by_row = shifted.data_ptr<T>();
+  T* by_col = by_row + n_rows * n_cols;
   for (int64_t i = 0; i < n_rows; ++i) {
-    const T* __restrict__ di = shifted.data_ptr<T>() + i * n_cols;
+    const T* __restrict__ zi = zs + i * n_cols;
+    T* __restrict__ ri = by_row + i * n_cols;
+    T* __restrict__ ci = by_col + i * n_cols;
+    const int32_t yi = tile.row_ids[i];
+    const T row_pos = row_max_pos[i], row_neg = row_max_neg[i];
+    for (int64_t j = 0; j < n_cols; ++j) {
+      const bool positive = yi == y[j];
+      ri[j] = shifted_argument(zi[j], positive ? row_pos : row_neg);
+      if constexpr (kColumns) {
+        const T pos = col_max_pos[j], neg = col_max_neg[j];
+        ci[j] = shifted_argument(zi[j], positive ? pos : neg);
+      }
+    }
+  }
+  shifted.exp_(); // ATen's vectorised exp
+  std::vector<T> col_sum_pos_v(kColumns ? n_cols : 0, T(0)), col_sum_neg_v(kColumns ? n_cols : 0, T(0));
+  T* __restrict__ col_sum_pos = col_sum_pos_v.data();
+  T* __restrict__ col_sum_neg = col_sum_neg_v.data();
+  for (int64_t i = 0; i < n_rows; ++i) {
+    const T* __restrict__ ri = by_row + i * n_cols;
+    const T* __restrict__ ci = by_col + i * n_cols;
     const int32_t yi = tile.row_ids[i];
     T lane_pos[kLanes] = {}, lane_neg[kLanes] = {};
-    const auto add = [&](int64_t k, int64_t j) {
+    for_each_lane(n_cols, [&](int64_t k, int64_t j) {
       const bool positive = yi == y[j];
-      const T d = di[j];
+      const T d = ri[j];
       lane_pos[k] += positive ? d : T(0);
       lane_neg[k] += positive ? T(0) : d;
-    };
-    int64_t j0 = 0;
-    for (; j0 + kLanes <= n_cols; j0 += kLanes) {
-      for (int64_t k = 0; k < kLanes; ++k) add(k, j0 + k); // a fixed count: one vector step
-    }
-    for (int64_t k = 0; j0 + k < n_cols; ++k) add(k, j0 + k);
+      if constexpr (kColumns) {
+        col_sum_pos[j] += positive ? ci[j] : T(0);
+        col_sum_neg[j] += positive ? T(0) : ci[j];
+      }
+    });
     double sum_pos = 0.0, sum_neg = 0.0;
     for (int64_t k = 0; k < kLanes; ++k) {
       sum_pos += lane_pos[k];
       sum_neg += lane_neg[k];
     }
-    states[i].positive.merge(row_max_pos[i], sum_pos);
-    states[i].negative.merge(row_max_neg[i], sum_neg);
+    row_states[i].positive.merge(row_max_pos[i], sum_pos);
+    row_states[i].negative.merge(row_max_neg[i], sum_neg);
   }
-}
-
-// Merges the LSE states of the tile's columns into states[0, C), running
-// down the rows with one value per column: elementwise over each row.
-template <typename T>
-void merge_column_states(const PairTile<T>& tile, PairStates<double>* states) {
-  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
-  const int64_t n_rows = tile.rows, n_cols = tile.cols;
-  const int32_t* __restrict__ y = tile.col_ids;
-  std::vector<T> max_pos_v(n_cols, kNegInf), max_neg_v(n_cols, kNegInf);
-  T* __restrict__ max_pos = max_pos_v.data();
-  T* __restrict__ max_neg = max_neg_v.data();
-  for (int64_t i = 0; i < n_rows; ++i) {
-    const T* __restrict__ zi = tile.logits.template data_ptr<T>() + i * n_cols;
-    const int32_t yi = tile.row_ids[i];
+  if constexpr (kColumns) {
     for (int64_t j = 0; j < n_cols; ++j) {
-      const bool positive = yi == y[j];
-      const T v_pos = positive ? zi[j] : kNegInf;
-      const T v_neg = positive ? kNegInf : zi[j];
-      const T old_pos = max_pos[j], old_neg = max_neg[j];
-      max_pos[j] = tile_max(v_pos, old_pos);
-      max_neg[j] = tile_max(v_neg, old_neg);
+      col_states[j].positive.merge(col_max_pos[j], col_sum_pos[j]);
+      col_states[j].negative.merge(col_max_neg[j], col_sum_neg[j]);
     }
-  }
-  const at::Tensor shifted = shifted_exp(tile, max_pos, max_neg, /*by_row=*/false);
-  std::vector<T> sum_pos_v(n_cols, T(0)), sum_neg_v(n_cols, T(0));
-  T* __restrict__ sum_pos = sum_pos_v.data();
-  T* __restrict__ sum_neg = sum_neg_v.data();
-  for (int64_t i = 0; i < n_rows; ++i) {
-    const T* __restrict__ di = shifted.data_ptr<T>() + i * n_cols;
-    const int32_t yi = tile.row_ids[i];
-    for (int64_t j = 0; j < n_cols; ++j) {
-      const bool positive = yi == y[j];
-      sum_pos[j] += positive ? di[j] : T(0);
-      sum_neg[j] += positive ? T(0) : di[j];
-    }
-  }
-  for (int64_t j = 0; j < n_cols; ++j) {
-    states[j].positive.merge(max_pos[j], sum_pos[j]);
-    states[j].negative.merge(max_neg[j], sum_neg[j]);
   }
 }
 
@@ -357,8 +342,11 @@ RowStates row_states_symmetric(
     const PairTile<T> tile(
         block_of(f, bi), ids + bi * kTile, block_of(f, bj), ids + bj * kTile, logit, left_out,
         {bi * kTile, bj * kTile});
-    merge_row_states(tile, by_row.data() + bi * kTile);
-    if (round != 0) merge_column_states(tile, by_col.data() + bj * kTile);
+    if (round == 0) {
+      merge_tile_states</*kColumns=*/false>(tile, by_row.data() + bi * kTile, nullptr);
+    } else {
+      merge_tile_states</*kColumns=*/true>(tile, by_row.data() + bi * kTile, by_col.data() + bj * kTile);
+    }
   });
   for (int64_t i = 0; i < batch; ++i) {
     by_row[i].merge(by_col[i]);
@@ -380,7 +368,7 @@ RowStates row_states_against(
       const PairTile<T> tile(
           block_of(q, bi), q_ids + bi * kTile, block_of(r, bj), r_ids + bj * kTile, logit, left_out,
           {bi * kTile, bj * kTile});
-      merge_row_states(tile, states.data() + bi * kTile);
+      merge_tile_states</*kColumns=*/false>(tile, states.data() + bi * kTile, nullptr);
     }
   });
   return states;
