@@ -25,7 +25,9 @@
 // (docs/math.md, "Online rescaling"; running_max_kernel, rescale_kernel)
 // while the loss's LSEs are still being summed, and the positive pairs, a
 // class's worth per row, are done afterwards within their classes with the
-// exact LSE_P (positive_band_kernel over the rows sorted by label).
+// exact LSE_P (positive_band_kernel over the rows sorted by label). Where
+// cuBLAS may use TF32 for float32, its GEMMs outrun that SIMT kernel, and the
+// two passes of one strip are kept for any number of strips.
 //
 // float16/bfloat16 batches whose rows are whole 16-byte chunks form S on the
 // tensor cores instead (mma_tiles.cuh), in registers, and never write it:
@@ -41,6 +43,7 @@
 #include "small_batch.h"
 #include "strips.cuh"
 
+#include <ATen/Context.h>
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -805,8 +808,11 @@ std::tuple<at::Tensor, at::Tensor> loss_and_grad_cuda(
     }
     // float32/float64 over several strips form S once (loss_and_gradient):
     // that costs less than a second pass. float16/bfloat16 form S on the
-    // tensor cores, where the second pass costs less than the positive band.
-    const bool one_pass = std::is_same_v<scalar_t, at::opmath_type<scalar_t>> && passes.strip_count() > 1;
+    // tensor cores, where the second pass costs less than the positive band,
+    // and so does float32 where cuBLAS may use TF32 (its GEMMs then run about
+    // six times the band kernel's SIMT rate).
+    const bool tf32 = std::is_same_v<scalar_t, float> && at::globalContext().allowTF32CuBLAS();
+    const bool one_pass = std::is_same_v<scalar_t, at::opmath_type<scalar_t>> && passes.strip_count() > 1 && !tf32;
     const at::Tensor grad_acc =
         one_pass ? passes.loss_and_gradient(loss) : passes.gradient(loss_scalars(passes, features, loss));
     grad = grad_acc.to(features.scalar_type());
