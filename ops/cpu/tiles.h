@@ -74,7 +74,8 @@ inline void for_each_symmetric_round(int64_t blocks, const Task& task) {
 // exactly symmetric as S is. At B = 1024 a quarter of the tiles on and above
 // the diagonal are diagonal ones.
 inline at::Tensor similarity_tile(const at::Tensor& rows, const at::Tensor& cols) {
-  const bool diagonal = rows.data_ptr() == cols.data_ptr() && rows.sizes() == cols.sizes();
+  const bool diagonal =
+      rows.data_ptr() == cols.data_ptr() && rows.sizes() == cols.sizes() && rows.strides() == cols.strides();
   const int64_t n = rows.size(0);
   const int64_t top = n / 2;
   if (!diagonal || top == 0) {

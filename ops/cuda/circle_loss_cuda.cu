@@ -772,6 +772,12 @@ class StripPasses {
   bool last_strip_in_workspace_ = false;
 };
 
+// Whether cuBLAS runs float32 GEMMs in TF32 on this thread now: the test
+// ATen makes before each one.
+bool cublas_may_use_tf32() {
+  return at::globalContext().allowTF32CuBLAS() && !at::NoTF32Guard::should_disable_tf32();
+}
+
 // (LSE_P, LSE_N, loss, 2σ(Z)) as a float64 device tensor; writes the loss.
 template <typename scalar_t>
 at::Tensor loss_scalars(StripPasses<scalar_t>& passes, const at::Tensor& features, at::Tensor& loss) {
@@ -811,7 +817,7 @@ std::tuple<at::Tensor, at::Tensor> loss_and_grad_cuda(
     // tensor cores, where the second pass costs less than the positive band,
     // and so does float32 where cuBLAS may use TF32 (its GEMMs then run about
     // six times the band kernel's SIMT rate).
-    const bool tf32 = std::is_same_v<scalar_t, float> && at::globalContext().allowTF32CuBLAS();
+    const bool tf32 = std::is_same_v<scalar_t, float> && cublas_may_use_tf32();
     const bool one_pass = std::is_same_v<scalar_t, at::opmath_type<scalar_t>> && passes.strip_count() > 1 && !tf32;
     const at::Tensor grad_acc =
         one_pass ? passes.loss_and_gradient(loss) : passes.gradient(loss_scalars(passes, features, loss));
