@@ -72,6 +72,36 @@ def test_label_layouts(device, layout):
     assert_matches_reference(loss, grad, features, labels)
 
 
+def class_sizes_labels(sizes):
+    """Labels with these class sizes, in random order."""
+    labels = torch.cat([torch.full((n,), c) for c, n in enumerate(sizes)])
+    return labels[torch.randperm(labels.numel())]
+
+
+# Batches of several tiles (256 rows on the CPU) with classes that cross tile
+# edges, are taller than a tile, or come in runs of small ones: the CPU puts
+# rows in class order and takes each tile's positive pairs as the blocks of
+# the classes it shares, small classes grouped; rounds of tiles wrap round
+# for odd and even tile counts.
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("layout", ["one_tall_class", "small_classes", "mixed_sizes", "two_classes"])
+@pytest.mark.parametrize("batch", [700, 1100, 1300])
+def test_classes_across_tiles(device, dtype, layout, batch):
+    features, _ = make_inputs(batch, 16, 1, device, dtype)
+    sizes = {
+        "one_tall_class": [batch - 300] + [3] * 100,
+        "small_classes": torch.randint(1, 9, (batch,)).tolist(),
+        "mixed_sizes": [70, 1, 64, 65, 2, 300, 33, 31, 1] * 10,
+        "two_classes": [batch // 3, batch - batch // 3],
+    }[layout]
+    labels = class_sizes_labels(sizes)[:batch].to(device)
+    features = features[: labels.numel()]
+    loss, grad = run_op(features, labels)
+    assert_matches_reference(loss, grad, features, labels)
+    with torch.no_grad():
+        assert torch.equal(torch.ops.circle.loss(features, labels), loss.detach())
+
+
 @pytest.mark.parametrize(
     "label_dtype", [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
 )

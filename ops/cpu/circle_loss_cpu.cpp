@@ -1,17 +1,24 @@
 // CPU kernels of circle::loss.
 //
-// Two passes over tiles of S = F Fᵀ, never holding more than one tile per task:
-//   1. log-sum-exp statistics of each pair set. S is symmetric, so only tiles
-//      on or above the diagonal are computed and off-diagonal ones count twice.
-//   2. (only when a gradient is wanted) dloss/dF = 2·sigmoid(Z)·G F over the
-//      same tiles, each adding to the rows and the columns it covers, with
-//      the exact softmax weights exp(z - LSE) that pass 1 made known: no
-//      running rescale is needed and every weight is <= 1.
-// 2·B²·D multiply-adds for loss and gradient (the eager reference: 3·B²·D and
-// a dozen passes over B×B matrices), B²·D/2 for the loss alone. Tiles are
-// fixed by the shapes alone, each is computed by one thread with ATen's
-// single-threaded GEMM, and partial results combine in a fixed order, so the
-// result is bitwise the same for any thread count.
+// Tiles of S = F Fᵀ over the rows in class order, never more than one tile
+// per task. S is symmetric, so only tiles on or above the diagonal are formed
+// and off-diagonal ones count twice.
+//   loss      each tile's log-sum-exp statistics of both pair sets, folded
+//             in tile order.
+//   gradient  (when wanted) the same statistics from the same tiles, so the
+//             loss keeps its bits, and in the same visit each tile's weights
+//             exp(z - m)·c against its own maxima m: negative ones multiply
+//             the tile's features whole, positive ones only the blocks of the
+//             classes its rows and columns share (class order makes them
+//             contiguous). The products are summed at a running scale per
+//             block and brought to the exact LSEs at the end (docs/math.md,
+//             "Online rescaling"), so S is formed once.
+// B²·D/2 multiply-adds for the loss, B²·D·(3/2 + Σ n_c²/B²) for loss and
+// gradient (n_c: the class sizes; the eager reference: 3·B²·D and a dozen
+// passes over B×B matrices). Tiles are fixed by the shapes and labels alone,
+// each is computed by one thread with ATen's single-threaded GEMM, and
+// partial results combine in a fixed order, so the result is bitwise the
+// same for any thread count.
 #include "tiles.h"
 
 #include <ATen/Dispatch.h>
@@ -19,9 +26,15 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros_like.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/mm.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <utility>
 #include <vector>
 
 namespace circle_loss {
@@ -29,12 +42,24 @@ namespace {
 
 using namespace cpu;
 
-// Log-sum-exp statistics (positive, negative) of one tile rows × colsᵀ.
-// Maxima and sums run per column, so that every inner loop is elementwise
-// over j (a running scalar would chain each step to the last and defeat
-// vectorisation); the columns are folded together at the end, in order.
+// One tile rows × colsᵀ of pairs: its log-sum-exp statistics (positive,
+// negative) and, with kWeights, every pair's exp(z - m) against its set's
+// maximum m in this tile and its slope dz/ds, from which the gradient pass
+// makes its weights. Maxima and sums run per column, so that every inner loop
+// is elementwise over j (a running scalar would chain each step to the last
+// and defeat vectorisation); the columns are folded together at the end, in
+// order. The statistics do not depend on kWeights, bit for bit.
 template <typename T>
-PairStates<double> tile_lse(
+struct TilePairs {
+  PairStates<double> states;
+  T max_pos;
+  T max_neg;
+  at::Tensor shifted; // (R, C): exp(z - its set's max)
+  at::Tensor slopes; // (R, C), with kWeights
+};
+
+template <bool kWeights, typename T>
+TilePairs<T> tile_pairs(
     const at::Tensor& rows, // (R, D)
     const int32_t* row_labels, // (R,)
     const at::Tensor& cols, // (C, D)
@@ -43,7 +68,9 @@ PairStates<double> tile_lse(
     double multiplicity) {
   const int64_t n_rows = rows.size(0);
   const int64_t n_cols = cols.size(0);
+  TilePairs<T> out;
   at::Tensor z = similarity_tile(rows, cols);
+  if constexpr (kWeights) out.slopes = at::empty_like(z);
   T* zs = z.data_ptr<T>();
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   std::vector<T> col_max_pos_v(n_cols, kNegInf);
@@ -54,12 +81,14 @@ PairStates<double> tile_lse(
   const int32_t* __restrict__ y = col_labels;
   for (int64_t i = 0; i < n_rows; ++i) {
     T* __restrict__ zi = zs + i * n_cols;
+    T* __restrict__ ci = kWeights ? out.slopes.template data_ptr<T>() + i * n_cols : nullptr;
     const int32_t yi = row_labels[i];
     for (int64_t j = 0; j < n_cols; ++j) {
       const bool positive = yi == y[j];
       T slope;
       const T v = pair(zi[j], positive, &slope);
       zi[j] = v;
+      if constexpr (kWeights) ci[j] = slope;
       const T v_pos = positive ? v : kNegInf;
       const T v_neg = positive ? kNegInf : v;
       const T max_pos = col_max_pos[j], max_neg = col_max_neg[j];
@@ -105,9 +134,11 @@ PairStates<double> tile_lse(
     sum_pos += col_sum_pos[j];
     sum_neg += col_sum_neg[j];
   }
-  PairStates<double> out;
-  out.positive.merge(max_pos, sum_pos * multiplicity);
-  out.negative.merge(max_neg, sum_neg * multiplicity);
+  out.states.positive.merge(max_pos, sum_pos * multiplicity);
+  out.states.negative.merge(max_neg, sum_neg * multiplicity);
+  out.max_pos = max_pos;
+  out.max_neg = max_neg;
+  out.shifted = z;
   return out;
 }
 
@@ -136,10 +167,10 @@ PairStates<double> lse_over_tiles(
     const auto [bi, bj] = tiles[t];
     const int64_t r0 = bi * kTile;
     const int64_t c0 = bj * kTile;
-    partial[t] = tile_lse<T>(
+    partial[t] = tile_pairs</*kWeights=*/false, T>(
         rows.narrow(0, r0, std::min(kTile, n_rows - r0)), row_labels + r0,
         cols.narrow(0, c0, std::min(kTile, n_cols - c0)), col_labels + c0,
-        logit, (symmetric && bi != bj) ? 2.0 : 1.0);
+        logit, (symmetric && bi != bj) ? 2.0 : 1.0).states;
   });
   PairStates<double> total;
   for (const auto& p : partial) {
@@ -187,31 +218,190 @@ at::Tensor tile_gradient_weights(
   return weights;
 }
 
-// dloss/dF = 2 G F with G symmetric, from tiles on and above the diagonal:
-// tile {I, J} adds G_IJ F_J to rows I and G_IJᵀ F_I to rows J, in the rounds
-// of for_each_symmetric_round, so that no two threads share an accumulator.
-template <typename T>
-at::Tensor symmetric_gradient(
-    const at::Tensor& features, // (B, D)
-    const int32_t* labels, // (B,)
-    const PairLogit<T>& logit,
-    const LossScalars& scalars) {
-  const int64_t batch = features.size(0);
-  at::Tensor by_row = at::zeros_like(features);
-  if (scalars.grad_scale == 0.0) {
-    return by_row; // no negative pair (docs/math.md, "Numerical policy"): loss 0, gradient 0
+// The rows in class order (stable), so that every class is a run of rows
+// and the positive pairs of a tile are the blocks of the classes its rows
+// and columns share.
+struct ClassOrder {
+  at::Tensor features; // (B, D), row k = input row order[k]
+  at::Tensor ids; // (B,) int32, non-decreasing
+  at::Tensor order; // (B,) int64
+  std::vector<int64_t> start; // class c is rows [start[c], start[c + 1])
+};
+
+inline ClassOrder class_order(const at::Tensor& features, const at::Tensor& ids) {
+  const int64_t batch = ids.numel();
+  const int32_t* id = ids.data_ptr<int32_t>();
+  const int64_t classes = batch == 0 ? 0 : int64_t(*std::max_element(id, id + batch)) + 1;
+  ClassOrder out;
+  out.start.assign(classes + 1, 0);
+  for (int64_t i = 0; i < batch; ++i) ++out.start[id[i] + 1];
+  for (int64_t c = 0; c < classes; ++c) out.start[c + 1] += out.start[c];
+  out.order = at::empty({batch}, ids.options().dtype(at::kLong));
+  out.ids = at::empty_like(ids);
+  std::vector<int64_t> next(out.start.begin(), out.start.end() - (classes > 0 ? 1 : 0));
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t k = next[id[i]]++;
+    out.order.data_ptr<int64_t>()[k] = i;
+    out.ids.data_ptr<int32_t>()[k] = id[i];
   }
-  at::Tensor by_col = at::zeros_like(features);
-  for_each_symmetric_round(at::divup(batch, kTile), [&](int64_t round, int64_t bi, int64_t bj) {
-    const at::Tensor rows = block_of(features, bi);
-    const at::Tensor cols = block_of(features, bj);
-    const at::Tensor g = tile_gradient_weights<T>(rows, labels + bi * kTile, cols, labels + bj * kTile, logit, scalars);
-    block_of(by_row, bi).addmm_(g, cols);
-    if (round != 0) {
-      block_of(by_col, bj).addmm_(g.t(), rows);
+  out.features = features.index_select(0, out.order);
+  return out;
+}
+
+// Sums of weight · features kept at a scale: acc = Σ exp(m_t - scale)·(W_t F),
+// with scale the largest tile maximum m_t added so far (docs/math.md, "Online
+// rescaling"). addmm's alpha and beta carry the factors. acc starts
+// uninitialised: the first product that covers all its rows overwrites it,
+// and one that covers only some (a class's block) zeroes it first.
+struct ScaledSum {
+  at::Tensor acc; // (rows, D)
+  double scale = -std::numeric_limits<double>::infinity();
+
+  bool empty() const { return scale == -std::numeric_limits<double>::infinity(); }
+
+  // acc[rows] += exp(m - scale)·(weights · features), rows [row0, row0 + weights.size(0)).
+  void add(double m, const at::Tensor& weights, const at::Tensor& features, int64_t row0 = 0) {
+    const bool whole = row0 == 0 && weights.size(0) == acc.size(0);
+    double beta = 1.0;
+    if (empty()) {
+      if (!whole) acc.zero_();
+      beta = whole ? 0.0 : 1.0;
+      scale = m;
+    } else if (m > scale) {
+      acc.mul_(std::exp(scale - m));
+      scale = m;
+    }
+    acc.narrow(0, row0, weights.size(0)).addmm_(weights, features, beta, std::exp(m - scale));
+  }
+
+  // out += exp(scale - lse)·acc, the sum as exp(z - lse) would have weighted it.
+  void add_at_lse(at::Tensor& out, double lse) const {
+    if (!empty()) out.add_(acc, std::exp(scale - lse));
+  }
+};
+
+// Groups of consecutive classes no taller than this share one product of
+// their positive weights: all-distinct labels then cost a thin band of
+// small GEMMs, not one call per row.
+constexpr int64_t kPositiveGroup = 64;
+
+// f(r, rows, c, cols) for each block of a tile's positive pairs: tile rows
+// [row0, row0 + n_rows) and columns [col0, col0 + n_cols) of class-ordered
+// rows, in groups of the classes both share, offsets from the tile's corner.
+template <typename F>
+void for_each_positive_block(
+    const ClassOrder& in, int64_t row0, int64_t n_rows, int64_t col0, int64_t n_cols, const F& f) {
+  const int32_t* id = in.ids.data_ptr<int32_t>();
+  const int64_t first = std::max(id[row0], id[col0]);
+  const int64_t last = std::min(id[row0 + n_rows - 1], id[col0 + n_cols - 1]);
+  const auto span = [&](int64_t c, int64_t lo, int64_t n) {
+    return std::pair<int64_t, int64_t>{std::max(in.start[c], lo) - lo, std::min(in.start[c + 1], lo + n) - lo};
+  };
+  for (int64_t c = first; c <= last;) {
+    auto [r_begin, r_end] = span(c, row0, n_rows);
+    auto [c_begin, c_end] = span(c, col0, n_cols);
+    int64_t next = c + 1;
+    for (; next <= last; ++next) {
+      const auto [r2_begin, r2_end] = span(next, row0, n_rows);
+      if (r2_end - r_begin > kPositiveGroup) break;
+      r_end = r2_end;
+      c_end = span(next, col0, n_cols).second;
+    }
+    if (r_end > r_begin && c_end > c_begin) f(r_begin, r_end - r_begin, c_begin, c_end - c_begin);
+    c = next;
+  }
+}
+
+// The loss and dloss/dF with S formed once, over class-ordered rows: each
+// tile on and above the diagonal gives its LSE partial and, against its own
+// maxima, the weights exp(z - m)·c of both sets. Negative weights multiply
+// the tile's features whole; positive ones only the blocks of the classes
+// the tile's rows and columns share. Tile {I, J} adds to rows I (W F_J) and,
+// off the diagonal, to rows J (Wᵀ F_I), into per-block sums kept at their
+// own scale (ScaledSum) in the rounds of for_each_symmetric_round; once all
+// partials are folded (in lse_over_tiles' order, so that the loss has the
+// loss-only path's bits) the sums are brought to the exact LSEs.
+template <typename T>
+std::pair<double, at::Tensor> loss_and_gradient_once(
+    const ClassOrder& in,
+    const PairLogit<T>& logit) {
+  const at::Tensor& f = in.features;
+  const int32_t* ids = in.ids.data_ptr<int32_t>();
+  const int64_t batch = f.size(0);
+  const int64_t blocks = at::divup(batch, kTile);
+  // Per block: negative and positive sums of the rows it holds as a row
+  // block and as a column block; one writer each per round.
+  enum { kNegRow, kNegCol, kPosRow, kPosCol, kSums };
+  // One allocation for the sums and the gradient: glibc then keeps it for
+  // the next call, where sixteen smaller ones were returned to the OS and
+  // faulted in again (a quarter of the time at B = 1024).
+  at::Tensor workspace = at::empty({kSums + 1, batch, f.size(1)}, f.options());
+  std::vector<std::array<ScaledSum, kSums>> sums(blocks);
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int k = 0; k < kSums; ++k) sums[b][k].acc = block_of(workspace[k], b);
+  }
+  std::vector<PairStates<double>> partial(blocks * (blocks + 1) / 2);
+  const auto tile_index = [&](int64_t bi, int64_t bj) { return bi * blocks - bi * (bi - 1) / 2 + (bj - bi); };
+  for_each_symmetric_round(blocks, [&](int64_t, int64_t a, int64_t b) {
+    // Tile {a, b} is formed above the diagonal, rows bi and columns bj, for
+    // its partial to have lse_over_tiles' bits; its sums go where the round
+    // lets a write its row sums and b its column sums.
+    const int64_t bi = std::min(a, b), bj = std::max(a, b);
+    const bool diagonal = bi == bj;
+    auto& row_sums = sums[bi];
+    auto& col_sums = sums[bj];
+    const int neg_rows = bi == a ? kNegRow : kNegCol, pos_rows = bi == a ? kPosRow : kPosCol;
+    const int neg_cols = bi == a ? kNegCol : kNegRow, pos_cols = bi == a ? kPosCol : kPosRow;
+    const at::Tensor rows = block_of(f, bi);
+    const at::Tensor cols = block_of(f, bj);
+    TilePairs<T> tile = tile_pairs</*kWeights=*/true, T>(
+        rows, ids + bi * kTile, cols, ids + bj * kTile, logit, diagonal ? 1.0 : 2.0);
+    partial[tile_index(bi, bj)] = tile.states;
+    // Weights exp(z - m)·c, split by set: positive ones into `shifted`,
+    // negative ones into `slopes`.
+    const int64_t n_rows = rows.size(0), n_cols = cols.size(0);
+    T* __restrict__ pos = tile.shifted.template data_ptr<T>();
+    T* __restrict__ neg = tile.slopes.template data_ptr<T>();
+    const int32_t* __restrict__ y = ids + bj * kTile;
+    for (int64_t i = 0; i < n_rows; ++i) {
+      const int32_t yi = ids[bi * kTile + i];
+      T* __restrict__ pi = pos + i * n_cols;
+      T* __restrict__ ni = neg + i * n_cols;
+      for (int64_t j = 0; j < n_cols; ++j) {
+        const bool positive = yi == y[j];
+        const T w = pi[j] * ni[j];
+        pi[j] = positive ? w : T(0);
+        ni[j] = positive ? T(0) : w;
+      }
+    }
+    if (tile.max_neg != -std::numeric_limits<T>::infinity()) {
+      row_sums[neg_rows].add(tile.max_neg, tile.slopes, cols);
+      if (!diagonal) col_sums[neg_cols].add(tile.max_neg, tile.slopes.t(), rows);
+    }
+    if (tile.max_pos != -std::numeric_limits<T>::infinity()) {
+      for_each_positive_block(in, bi * kTile, n_rows, bj * kTile, n_cols, [&](int64_t r, int64_t nr, int64_t c, int64_t nc) {
+        const at::Tensor w = tile.shifted.narrow(0, r, nr).narrow(1, c, nc);
+        row_sums[pos_rows].add(tile.max_pos, w, cols.narrow(0, c, nc), r);
+        if (!diagonal) col_sums[pos_cols].add(tile.max_pos, w.t(), rows.narrow(0, r, nr), c);
+      });
     }
   });
-  return by_row.add_(by_col);
+  PairStates<double> total;
+  for (const auto& p : partial) total.merge(p);
+  const LossScalars scalars = finish_loss(total.positive.lse(), total.negative.lse());
+  if (scalars.grad_scale == 0.0) {
+    return {scalars.loss, at::zeros_like(f)}; // no negative pair (docs/math.md, "Numerical policy"): loss 0, gradient 0
+  }
+  at::Tensor grad_sorted = workspace[kSums].zero_();
+  for (int64_t b = 0; b < blocks; ++b) {
+    at::Tensor out = block_of(grad_sorted, b);
+    sums[b][kNegRow].add_at_lse(out, scalars.lse_negative);
+    sums[b][kNegCol].add_at_lse(out, scalars.lse_negative);
+    sums[b][kPosRow].add_at_lse(out, scalars.lse_positive);
+    sums[b][kPosCol].add_at_lse(out, scalars.lse_positive);
+    out.mul_(scalars.grad_scale);
+  }
+  return {scalars.loss, at::empty_like(f).index_copy_(0, in.order, grad_sorted)};
 }
 
 // Σ_j G_ij cols_j for every row i of a block against another block: each
@@ -264,15 +454,20 @@ std::tuple<at::Tensor, at::Tensor> loss_and_grad_cpu(
   const NoAutocast no_autocast;
   const at::Tensor f = features.to(compute_dtype(features)).contiguous();
   const at::Tensor ids = class_ids({labels})[0];
+  const ClassOrder in = class_order(f, ids);
   double loss = 0.0;
   at::Tensor grad;
   AT_DISPATCH_FLOATING_TYPES(f.scalar_type(), "circle_loss_cpu", [&] {
-    const int32_t* y = ids.data_ptr<int32_t>();
     const auto logit = pair_logit<scalar_t>(margin, gamma);
-    const auto lse = lse_over_tiles<scalar_t>(f, y, f, y, logit, true);
-    const LossScalars scalars = finish_loss(lse.positive.lse(), lse.negative.lse());
-    loss = scalars.loss;
-    if (with_grad) grad = symmetric_gradient<scalar_t>(f, y, logit, scalars).to(features.scalar_type());
+    if (with_grad) {
+      at::Tensor g;
+      std::tie(loss, g) = loss_and_gradient_once<scalar_t>(in, logit);
+      grad = g.to(features.scalar_type());
+    } else {
+      const int32_t* y = in.ids.data_ptr<int32_t>();
+      const auto lse = lse_over_tiles<scalar_t>(in.features, y, in.features, y, logit, true);
+      loss = finish_loss(lse.positive.lse(), lse.negative.lse()).loss;
+    }
   });
   return {loss_tensor(loss, features), grad};
 }
