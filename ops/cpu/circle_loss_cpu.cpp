@@ -253,28 +253,28 @@ ClassOrder class_order(const at::Tensor& features, const at::Tensor& ids) {
 
 // Sums of weight · features kept at a scale: acc = Σ exp(m_t - scale)·(W_t F),
 // with scale the largest tile maximum m_t added so far (docs/math.md, "Online
-// rescaling"). addmm's alpha and beta carry the factors. acc starts
-// uninitialised: the first product that covers all its rows overwrites it,
-// and one that covers only some (a class's block) zeroes it first.
+// rescaling").
 struct ScaledSum {
-  at::Tensor acc; // (rows, D)
+  at::Tensor acc; // (rows, D), uninitialised until the first add
   double scale = -std::numeric_limits<double>::infinity();
 
   bool empty() const { return scale == -std::numeric_limits<double>::infinity(); }
 
   // acc[rows] += exp(m - scale)·(weights · features), rows [row0, row0 + weights.size(0)).
+  // The product is formed alone, from operands that are whole tiles or
+  // contiguous copies, and added elementwise: MKL's GEMM gave bits that
+  // varied with the thread count on a 16-core Xeon when it took offset
+  // sub-blocks, alpha and beta itself (MKL_CBWR=COMPATIBLE hid it).
   void add(double m, const at::Tensor& weights, const at::Tensor& features, int64_t row0 = 0) {
-    const bool whole = row0 == 0 && weights.size(0) == acc.size(0);
-    double beta = 1.0;
+    const at::Tensor product = at::mm(weights, features);
     if (empty()) {
-      if (!whole) acc.zero_();
-      beta = whole ? 0.0 : 1.0;
+      acc.zero_();
       scale = m;
     } else if (m > scale) {
       acc.mul_(std::exp(scale - m));
       scale = m;
     }
-    acc.narrow(0, row0, weights.size(0)).addmm_(weights, features, beta, std::exp(m - scale));
+    acc.narrow(0, row0, product.size(0)).add_(product, std::exp(m - scale));
   }
 
   // out += exp(scale - lse)·acc, the sum as exp(z - lse) would have weighted it.
@@ -384,8 +384,8 @@ std::pair<double, at::Tensor> loss_and_gradient_once(
     if (tile.max_pos != -std::numeric_limits<T>::infinity()) {
       for_each_positive_block(in, bi * kTile, n_rows, bj * kTile, n_cols, [&](int64_t r, int64_t nr, int64_t c, int64_t nc) {
         const at::Tensor w = tile.shifted.narrow(0, r, nr).narrow(1, c, nc);
-        row_sums[pos_rows].add(tile.max_pos, w, cols.narrow(0, c, nc), r);
-        if (!diagonal) col_sums[pos_cols].add(tile.max_pos, w.t(), rows.narrow(0, r, nr), c);
+        row_sums[pos_rows].add(tile.max_pos, w.contiguous(), cols.narrow(0, c, nc), r);
+        if (!diagonal) col_sums[pos_cols].add(tile.max_pos, w.t().contiguous(), rows.narrow(0, r, nr), c);
       });
     }
   });
