@@ -262,9 +262,9 @@ struct ScaledSum {
 
   // acc[rows] += exp(m - scale)·(weights · features), rows [row0, row0 + weights.size(0)).
   // The product is formed alone, from operands that are whole tiles or
-  // contiguous copies, and added elementwise: MKL's GEMM gave bits that
-  // varied with the thread count on a 16-core Xeon when it took offset
-  // sub-blocks, alpha and beta itself (MKL_CBWR=COMPATIBLE hid it).
+  // contiguous copies, and added elementwise: handed offset sub-blocks,
+  // alpha and beta, MKL's GEMM rounds differently with the thread count on
+  // some CPUs, and the result must not depend on it.
   void add(double m, const at::Tensor& weights, const at::Tensor& features, int64_t row0 = 0) {
     const at::Tensor product = at::mm(weights, features);
     if (empty()) {
@@ -335,9 +335,9 @@ std::pair<double, at::Tensor> loss_and_gradient_once(
   // Per block: negative and positive sums of the rows it holds as a row
   // block and as a column block; one writer each per round.
   enum { kNegRow, kNegCol, kPosRow, kPosCol, kSums };
-  // One allocation for the sums and the gradient: glibc then keeps it for
-  // the next call, where sixteen smaller ones were returned to the OS and
-  // faulted in again (a sixth of the time at B = 1024, one thread).
+  // One allocation for the sums and the gradient: glibc keeps it from call
+  // to call, where many smaller ones went back to the OS and were faulted in
+  // again.
   at::Tensor workspace = at::empty({kSums + 1, batch, f.size(1)}, f.options());
   std::vector<std::array<ScaledSum, kSums>> sums(blocks);
   for (int64_t b = 0; b < blocks; ++b) {
