@@ -71,8 +71,7 @@ inline void for_each_symmetric_round(int64_t blocks, const Task& task) {
 // symmetric) takes three quarters of the multiply-adds: the top half of the
 // rows against all of them, the bottom half against itself, and the
 // bottom-left quarter mirrored from the top-right one, which makes the tile
-// exactly symmetric as S is. At B = 1024 a quarter of the tiles on and above
-// the diagonal are diagonal ones.
+// exactly symmetric as S is.
 inline at::Tensor similarity_tile(const at::Tensor& rows, const at::Tensor& cols) {
   const bool diagonal =
       rows.data_ptr() == cols.data_ptr() && rows.sizes() == cols.sizes() && rows.strides() == cols.strides();
