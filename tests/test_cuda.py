@@ -140,6 +140,16 @@ def test_several_strips_match_reference(dtype):
     assert_op_matches_reference(4500, 24, 60, dtype)
 
 
+# The positive pairs' kernel loads rows 16 bytes at a time where every row
+# starts on a 16-byte boundary and holds whole 16-byte runs, one value at a
+# time elsewhere (here rows of 120 and 248 bytes); two classes give each
+# block of rows a span that several CTAs share.
+@pytest.mark.parametrize("dim,dtype", [(30, torch.float32), (31, torch.float64)])
+@pytest.mark.sanitize
+def test_several_strips_rows_of_partial_runs(dim, dtype):
+    assert_op_matches_reference(4500, dim, 2, dtype)
+
+
 # With TF32 allowed, float32 GEMMs round their inputs to 10 bits, so S is off
 # by about 1e-3 relative and gamma amplifies that into the logits: the op
 # then keeps two passes, every weight against the LSE of the same S, and is

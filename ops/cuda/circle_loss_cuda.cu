@@ -50,6 +50,7 @@
 #include <ATen/ops/mm.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/sort.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -333,84 +334,139 @@ __device__ __forceinline__ int64_t search_sorted(const int64_t* sorted, int64_t 
 }
 
 // Positive pairs of the one-pass gradient. With the rows sorted by label, a
-// CTA's kBandRows rows meet their class members in one contiguous span of
-// sorted positions, which it walks kBandCols members at a time: the dot
-// products, staged through shared memory kBandChunk features at a time (2×2
-// per thread, the next chunk loaded while this one is used), then the weights,
-// then the weighted sum of the members' rows. Each CTA owns its rows, whose
-// grad holds on entry the negative pairs' Σ exp(z - M)·c·f_j at their strip's
-// stabiliser M and on exit the whole gradient:
+// CTA's kRows rows meet their class members in one contiguous span of sorted
+// positions, which it walks kCols members a step as two small GEMMs: the dot
+// products (kChunk features at a time through shared memory), their weights,
+// then the weighted sum of the members' rows (kSumChunk features at a time).
+// In both a thread holds a block of two 16-byte runs of rows by two runs of
+// columns (features in the sum), as an SGEMM's threads do, which keeps
+// shared memory under the FMA units' rate. A few CTAs may share a row
+// block's span (positive_band_kernel). The rows' grad holds on entry the
+// negative pairs' Σ exp(z - M)·c·f_j at their strip's stabiliser M and on
+// exit the whole gradient:
 //   2σ(Z)·(exp(M - LSE_N)·that + Σ_P exp(z - LSE_P)·c·f_j).
-constexpr int kBandRows = 16;
-constexpr int kBandCols = 64;
-constexpr int kBandChunk = 32;
-constexpr int kBandRowsPerThread = kBandRows * kBandCols / kThreads / 2;
-static_assert(kBandRowsPerThread * kWarps == kBandRows && kBandCols == 64, "dot products: 2 rows × 2 columns per thread");
+template <typename acc_t>
+struct BandShape {
+  static constexpr int kRun = 16 / static_cast<int>(sizeof(acc_t)); // values in one 16-byte load
+  static constexpr int kGroups = 16; // thread groups along each side of a block
+  static constexpr int kRows = 2 * kGroups * kRun; // float32 128, float64 64
+  static constexpr int kCols = kRows;
+  static constexpr int kChunk = 16;
+  static constexpr int kSumChunk = kGroups * kRun;
+  // Staged rows of features are padded by 4 values, which spreads the
+  // stores that stage them over the banks and keeps 16-byte runs aligned.
+  static constexpr int kPad = 4;
+  static_assert(kGroups * kGroups == kThreads, "a block of each product a thread");
+};
 
-// The CTA's shared memory: its rows and the members of one span step (as
-// rows of features), a chunk of both staged, and the step's weights.
 template <typename acc_t>
 struct BandTiles {
-  int64_t row_of[kBandRows];
-  int64_t col_of[kBandCols];
+  using Shape = BandShape<acc_t>;
+  union {
+    struct { // the dot products'
+      acc_t rows[Shape::kChunk][Shape::kRows + Shape::kPad]; // [feature][row]
+      acc_t cols[Shape::kChunk][Shape::kCols + Shape::kPad]; // [feature][member]
+    } dots;
+    acc_t members[Shape::kCols][Shape::kSumChunk + Shape::kPad]; // the weighted sum's: [member][feature]
+  } staged;
+  acc_t weight[Shape::kCols][Shape::kRows]; // [member][row]
+  int64_t row_of[Shape::kRows];
+  int64_t col_of[Shape::kCols];
   int64_t span[2]; // the sorted positions of the rows' classes: [span[0], span[1])
-  acc_t row_tile[kBandRows][kBandChunk + 1];
-  acc_t col_tile[kBandCols][kBandChunk + 1];
-  acc_t weight[kBandRows][kBandCols];
 };
 
-// One chunk of features [d0, d0 + kBandChunk) of the CTA's rows and of the
-// step's members, held in registers on its way to shared memory (loaded
-// while the previous chunk is multiplied). Zeros past the rows, members and
-// features there are.
-template <typename acc_t>
-struct BandChunk {
-  static constexpr int kRowLoads = kBandRows * kBandChunk / kThreads;
-  static constexpr int kColLoads = kBandCols * kBandChunk / kThreads;
-  acc_t row[kRowLoads];
-  acc_t col[kColLoads];
-
-  template <typename scalar_t>
-  __device__ __forceinline__ void load(
-      const scalar_t* features, int64_t dim, const BandTiles<acc_t>& tiles, int rows, int cols, int64_t d0) {
-#pragma unroll
-    for (int k = 0; k < kRowLoads; ++k) {
-      const int e = threadIdx.x + k * kThreads;
-      const int64_t d = d0 + e % kBandChunk;
-      row[k] = e / kBandChunk < rows && d < dim ? static_cast<acc_t>(features[tiles.row_of[e / kBandChunk] * dim + d]) : acc_t(0);
-    }
-#pragma unroll
-    for (int k = 0; k < kColLoads; ++k) {
-      const int e = threadIdx.x + k * kThreads;
-      const int64_t d = d0 + e % kBandChunk;
-      col[k] = e / kBandChunk < cols && d < dim ? static_cast<acc_t>(features[tiles.col_of[e / kBandChunk] * dim + d]) : acc_t(0);
-    }
-  }
-
-  __device__ __forceinline__ void store(BandTiles<acc_t>& tiles) const {
-#pragma unroll
-    for (int k = 0; k < kRowLoads; ++k) {
-      const int e = threadIdx.x + k * kThreads;
-      tiles.row_tile[e / kBandChunk][e % kBandChunk] = row[k];
-    }
-#pragma unroll
-    for (int k = 0; k < kColLoads; ++k) {
-      const int e = threadIdx.x + k * kThreads;
-      tiles.col_tile[e / kBandChunk][e % kBandChunk] = col[k];
-    }
-  }
-};
-
-// The thread's products in the dot products of a span step: rows
-// dot_row + [0, kBandRowsPerThread), columns dot_col and dot_col + 32.
+// The thread's place in both products: row group and column group, each of
+// kGroups. A warp spans 4 row groups and 8 column groups, so that its loads
+// of a run from shared memory touch 4 and 8 distinct 16-byte words.
 struct BandLanes {
-  int dot_row = static_cast<int>(threadIdx.x) / 32 * kBandRowsPerThread;
-  int dot_col = static_cast<int>(threadIdx.x) % 32;
+  int row_group = static_cast<int>(threadIdx.x) / 64 * 4 + static_cast<int>(threadIdx.x) % 32 / 8;
+  int col_group = static_cast<int>(threadIdx.x) / 32 % 2 * 8 + static_cast<int>(threadIdx.x) % 8;
+
+  // The k-th of the thread's 2·kRun rows (or columns) of a side of `extent`:
+  // two runs, half the extent apart.
+  template <typename acc_t>
+  __device__ __forceinline__ static int member(int group, int k, int extent) {
+    constexpr int kRun = BandShape<acc_t>::kRun;
+    return k / kRun * (extent / 2) + group * kRun + k % kRun;
+  }
 };
+
+// Features [d0, d0 + kWidth) of n rows (kN at most), in registers on their
+// way to shared memory, so that they can load while the previous chunk is
+// used. Zeros past the rows and features there are. A thread loads kLoads
+// consecutive features of one row (at least 32 bytes): one row address to
+// keep, and whole sectors for each warp.
+template <typename acc_t, int kN, int kWidth>
+struct RowChunk {
+  static constexpr int kThreadsPerRow = kThreads / kN;
+  static constexpr int kLoads = kWidth / kThreadsPerRow;
+  static_assert(kThreadsPerRow * kLoads == kWidth && kLoads * sizeof(acc_t) % 16 == 0, "a thread's features are whole 16-byte runs");
+  acc_t value[kLoads];
+
+  __device__ __forceinline__ static int row() { return static_cast<int>(threadIdx.x) / kThreadsPerRow; }
+  __device__ __forceinline__ static int first_feature() { return static_cast<int>(threadIdx.x) % kThreadsPerRow * kLoads; }
+
+  // kWide: rows start on 16-byte boundaries and hold whole 16-byte runs,
+  // which then load one run an instruction.
+  template <bool kWide, typename scalar_t>
+  __device__ __forceinline__ void load(const scalar_t* features, int64_t dim, const int64_t* row_of, int n, int64_t d0) {
+    const bool inside = row() < n;
+    const scalar_t* line = features + (inside ? row_of[row()] : 0) * dim + d0 + first_feature();
+    const int64_t left = dim - d0 - first_feature(); // features of the row from here on
+    if constexpr (kWide) {
+      constexpr int kPer = 16 / sizeof(scalar_t);
+      static_assert(kLoads % kPer == 0, "whole runs");
+#pragma unroll
+      for (int k = 0; k < kLoads; k += kPer) {
+        Packed<scalar_t, kPer> run = {};
+        if (inside && k < left) run = *reinterpret_cast<const Packed<scalar_t, kPer>*>(line + k);
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) value[k + i] = static_cast<acc_t>(run.v[i]);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) value[k] = inside && k < left ? static_cast<acc_t>(line[k]) : acc_t(0);
+    }
+  }
+
+  // As out[feature][row] (kPad-padded rows: two threads a bank).
+  __device__ __forceinline__ void store_transposed(acc_t (*out)[kN + BandShape<acc_t>::kPad]) const {
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) out[first_feature() + k][row()] = value[k];
+  }
+
+  // As out[row][feature], 16 bytes a store.
+  __device__ __forceinline__ void store_rows(acc_t (*out)[kWidth + BandShape<acc_t>::kPad]) const {
+    constexpr int kRun = BandShape<acc_t>::kRun;
+    using Run = Packed<acc_t, kRun>;
+#pragma unroll
+    for (int k = 0; k < kLoads; k += kRun) {
+      Run run;
+#pragma unroll
+      for (int i = 0; i < kRun; ++i) run.v[i] = value[k + i];
+      *reinterpret_cast<Run*>(&out[row()][first_feature() + k]) = run;
+    }
+  }
+};
+
+// The thread's 2·kRun values of a side at shared-memory row `line`: two
+// 16-byte loads.
+template <typename acc_t, int kExtent>
+__device__ __forceinline__ void load_runs(const acc_t* line, int group, acc_t (&out)[2 * BandShape<acc_t>::kRun]) {
+  constexpr int kRun = BandShape<acc_t>::kRun;
+  using Run = Packed<acc_t, kRun>;
+  const Run low = *reinterpret_cast<const Run*>(line + group * kRun);
+  const Run high = *reinterpret_cast<const Run*>(line + kExtent / 2 + group * kRun);
+#pragma unroll
+  for (int k = 0; k < kRun; ++k) {
+    out[k] = low.v[k];
+    out[kRun + k] = high.v[k];
+  }
+}
 
 // The negative pairs' share of the CTA's rows, from their strip's stabiliser
-// M to LSE_N and by 2σ(Z). Every (row, feature) of grad stays with one
-// thread throughout the kernel.
+// M to LSE_N and by 2σ(Z). The barrier before the first span step orders it
+// before the steps' sums, which other threads add.
 template <typename acc_t>
 __device__ __forceinline__ void scale_negative_share(
     const BandTiles<acc_t>& tiles, int rows, int64_t dim, acc_t scale, acc_t lse_negative,
@@ -422,27 +478,37 @@ __device__ __forceinline__ void scale_negative_share(
   }
 }
 
+template <typename acc_t>
+using BandDots = acc_t[2 * BandShape<acc_t>::kRun][2 * BandShape<acc_t>::kRun];
+
 // The main loop of a span step: the dot products of the rows with the
 // step's members, chunk by chunk through shared memory.
-template <typename scalar_t, typename acc_t>
+template <bool kWide, typename scalar_t, typename acc_t>
 __device__ __forceinline__ void band_dot_products(
-    const scalar_t* features, int64_t dim, BandTiles<acc_t>& tiles, int rows, int cols,
-    acc_t (&dot)[kBandRowsPerThread][2]) {
+    const scalar_t* features, int64_t dim, BandTiles<acc_t>& tiles, int rows, int cols, BandDots<acc_t>& dot) {
+  using Shape = BandShape<acc_t>;
   const BandLanes lanes;
-  BandChunk<acc_t> next;
-  next.load(features, dim, tiles, rows, cols, 0);
-  for (int64_t d0 = 0; d0 < dim; d0 += kBandChunk) {
-    next.store(tiles);
+  RowChunk<acc_t, Shape::kRows, Shape::kChunk> next_rows;
+  RowChunk<acc_t, Shape::kCols, Shape::kChunk> next_cols;
+  next_rows.template load<kWide>(features, dim, tiles.row_of, rows, 0);
+  next_cols.template load<kWide>(features, dim, tiles.col_of, cols, 0);
+  for (int64_t d0 = 0; d0 < dim; d0 += Shape::kChunk) {
+    next_rows.store_transposed(tiles.staged.dots.rows);
+    next_cols.store_transposed(tiles.staged.dots.cols);
     __syncthreads();
-    if (d0 + kBandChunk < dim) next.load(features, dim, tiles, rows, cols, d0 + kBandChunk);
-#pragma unroll 4
-    for (int k = 0; k < kBandChunk; ++k) {
-      const acc_t left = tiles.col_tile[lanes.dot_col][k];
-      const acc_t right = tiles.col_tile[lanes.dot_col + 32][k];
+    if (d0 + Shape::kChunk < dim) {
+      next_rows.template load<kWide>(features, dim, tiles.row_of, rows, d0 + Shape::kChunk);
+      next_cols.template load<kWide>(features, dim, tiles.col_of, cols, d0 + Shape::kChunk);
+    }
+#pragma unroll 2
+    for (int k = 0; k < Shape::kChunk; ++k) {
+      acc_t r[2 * Shape::kRun], c[2 * Shape::kRun];
+      load_runs<acc_t, Shape::kRows>(tiles.staged.dots.rows[k], lanes.row_group, r);
+      load_runs<acc_t, Shape::kCols>(tiles.staged.dots.cols[k], lanes.col_group, c);
 #pragma unroll
-      for (int i = 0; i < kBandRowsPerThread; ++i) {
-        dot[i][0] += tiles.row_tile[lanes.dot_row + i][k] * left;
-        dot[i][1] += tiles.row_tile[lanes.dot_row + i][k] * right;
+      for (int i = 0; i < 2 * Shape::kRun; ++i) {
+#pragma unroll
+        for (int j = 0; j < 2 * Shape::kRun; ++j) dot[i][j] += r[i] * c[j];
       }
     }
     __syncthreads();
@@ -450,50 +516,105 @@ __device__ __forceinline__ void band_dot_products(
 }
 
 // The epilogue of a span step: each product's weight 2σ(Z)·exp(z - LSE_P)·c
-// where its row and member share a class (0 elsewhere), to tiles.weight.
+// where its row and member share a class (0 elsewhere, past the rows and
+// members too), to tiles.weight.
 template <typename acc_t>
 __device__ __forceinline__ void store_band_weights(
-    const acc_t (&dot)[kBandRowsPerThread][2], const int64_t* row_labels, const int64_t* col_labels, int rows,
-    int cols, const PairLogit<acc_t>& logit, acc_t scale, acc_t lse_positive, BandTiles<acc_t>& tiles) {
+    const BandDots<acc_t>& dot, const int64_t* row_labels, const int64_t* col_labels, int rows, int cols,
+    const PairLogit<acc_t>& logit, acc_t scale, acc_t lse_positive, BandTiles<acc_t>& tiles) {
+  using Shape = BandShape<acc_t>;
   const BandLanes lanes;
 #pragma unroll
-  for (int i = 0; i < kBandRowsPerThread; ++i) {
+  for (int i = 0; i < 2 * Shape::kRun; ++i) {
+    const int r = BandLanes::member<acc_t>(lanes.row_group, i, Shape::kRows);
+    const int64_t row_label = r < rows ? row_labels[r] : -1;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = lanes.dot_row + i;
-      const int c = lanes.dot_col + 32 * half;
+    for (int j = 0; j < 2 * Shape::kRun; ++j) {
+      const int c = BandLanes::member<acc_t>(lanes.col_group, j, Shape::kCols);
       acc_t w = acc_t(0);
-      if (r < rows && c < cols && row_labels[r] == col_labels[c]) {
+      if (r < rows && c < cols && row_label == col_labels[c]) {
         acc_t slope;
-        const acc_t z = logit(dot[i][half], /*positive=*/true, &slope);
+        const acc_t z = logit(dot[i][j], /*positive=*/true, &slope);
         w = scale * exp(z - lse_positive) * slope;
       }
-      tiles.weight[r][c] = w;
+      tiles.weight[c][r] = w;
     }
   }
 }
 
-// The store of a span step: Σ_c weight[r][c]·f_(member c) added to each row's
-// gradient, a feature a thread.
-template <typename scalar_t, typename acc_t>
+// The store of a span step: Σ_c weight[c][r]·f_(member c) added to each row's
+// gradient, kSumChunk features at a time through shared memory, a block of
+// 2·kRun rows × kRun features a thread. Past `cols` the weights and the
+// staged members are zeros, so every step sums all kCols.
+template <bool kWide, typename scalar_t, typename acc_t>
 __device__ __forceinline__ void add_weighted_members(
-    const scalar_t* features, int64_t dim, const BandTiles<acc_t>& tiles, int rows, int cols, acc_t* grad) {
-  for (int64_t d = threadIdx.x; d < dim; d += kThreads) {
-    acc_t sum[kBandRows] = {};
-#pragma unroll 2
-    for (int c = 0; c < cols; ++c) {
-      const acc_t member = static_cast<acc_t>(features[tiles.col_of[c] * dim + d]);
+    const scalar_t* features, int64_t dim, BandTiles<acc_t>& tiles, int rows, int cols, acc_t* grad) {
+  using Shape = BandShape<acc_t>;
+  using Run = Packed<acc_t, Shape::kRun>;
+  const BandLanes lanes;
+  const int first_feature = lanes.col_group * Shape::kRun;
+  for (int64_t d0 = 0; d0 < dim; d0 += Shape::kSumChunk) {
+    RowChunk<acc_t, Shape::kCols, Shape::kSumChunk> chunk;
+    chunk.template load<kWide>(features, dim, tiles.col_of, cols, d0);
+    chunk.store_rows(tiles.staged.members);
+    __syncthreads();
+    acc_t sum[2 * Shape::kRun][Shape::kRun] = {};
+#pragma unroll 4
+    for (int c = 0; c < Shape::kCols; ++c) {
+      acc_t w[2 * Shape::kRun];
+      load_runs<acc_t, Shape::kRows>(tiles.weight[c], lanes.row_group, w);
+      const Run m = *reinterpret_cast<const Run*>(&tiles.staged.members[c][first_feature]);
 #pragma unroll
-      for (int r = 0; r < kBandRows; ++r) sum[r] += tiles.weight[r][c] * member;
+      for (int i = 0; i < 2 * Shape::kRun; ++i) {
+#pragma unroll
+        for (int j = 0; j < Shape::kRun; ++j) sum[i][j] += w[i] * m.v[j];
+      }
+    }
+    // Every load of grad before any store: rows may alias as far as the
+    // compiler knows, and a store between would keep each load waiting for
+    // the one before. grad's rows are whole runs where the features' are.
+    Run* out[2 * Shape::kRun];
+    const bool inside = d0 + first_feature < dim;
+#pragma unroll
+    for (int i = 0; i < 2 * Shape::kRun; ++i) {
+      const int r = BandLanes::member<acc_t>(lanes.row_group, i, Shape::kRows);
+      out[i] = r < rows && inside ? reinterpret_cast<Run*>(grad + tiles.row_of[r] * dim + d0 + first_feature) : nullptr;
+      if (out[i] == nullptr) continue;
+      if constexpr (kWide) {
+        const Run old = *out[i];
+#pragma unroll
+        for (int j = 0; j < Shape::kRun; ++j) sum[i][j] += old.v[j];
+      } else {
+#pragma unroll
+        for (int j = 0; j < Shape::kRun; ++j) {
+          if (d0 + first_feature + j < dim) sum[i][j] += out[i]->v[j];
+        }
+      }
     }
 #pragma unroll
-    for (int r = 0; r < kBandRows; ++r) { // sum stays in registers
-      if (r < rows) grad[tiles.row_of[r] * dim + d] += sum[r];
+    for (int i = 0; i < 2 * Shape::kRun; ++i) {
+      if (out[i] == nullptr) continue;
+      if constexpr (kWide) {
+        Run run;
+#pragma unroll
+        for (int j = 0; j < Shape::kRun; ++j) run.v[j] = sum[i][j];
+        *out[i] = run;
+      } else {
+#pragma unroll
+        for (int j = 0; j < Shape::kRun; ++j) {
+          if (d0 + first_feature + j < dim) out[i]->v[j] = sum[i][j];
+        }
+      }
     }
+    __syncthreads(); // the next chunk overwrites the staged members
   }
 }
 
-template <typename scalar_t, typename acc_t>
+// blockIdx.x: the CTA's kRows sorted rows; blockIdx.y: its share of their
+// span's steps, so that a few long spans still fill the GPU. Share 0 adds to
+// grad, after the negative pairs' share; share s > 0 to share_sums[s - 1],
+// zeros on entry, which the launch then adds to grad in order.
+template <typename scalar_t, typename acc_t, bool kWide>
 __global__ void __launch_bounds__(kThreads, 2) positive_band_kernel(
     const scalar_t* __restrict__ features, // (B, D)
     int64_t batch,
@@ -504,10 +625,13 @@ __global__ void __launch_bounds__(kThreads, 2) positive_band_kernel(
     const double* __restrict__ scalars, // (LSE_P, LSE_N, loss, 2σ(Z))
     const acc_t* __restrict__ negative_max, // (strips,)
     int64_t strip_height,
-    acc_t* __restrict__ grad) { // (B, D)
-  __shared__ BandTiles<acc_t> tiles;
-  const int64_t p0 = blockIdx.x * static_cast<int64_t>(kBandRows);
-  const int rows = static_cast<int>(std::min<int64_t>(kBandRows, batch - p0));
+    acc_t* __restrict__ grad, // (B, D)
+    acc_t* __restrict__ share_sums) { // (gridDim.y - 1, B, D)
+  using Shape = BandShape<acc_t>;
+  extern __shared__ __align__(16) unsigned char band_shared[];
+  BandTiles<acc_t>& tiles = *reinterpret_cast<BandTiles<acc_t>*>(band_shared);
+  const int64_t p0 = blockIdx.x * static_cast<int64_t>(Shape::kRows);
+  const int rows = static_cast<int>(std::min<int64_t>(Shape::kRows, batch - p0));
   const LossScalars loss = LossScalars::load(scalars);
   const acc_t lse_positive = static_cast<acc_t>(loss.lse_positive);
   const acc_t lse_negative = static_cast<acc_t>(loss.lse_negative);
@@ -518,20 +642,48 @@ __global__ void __launch_bounds__(kThreads, 2) positive_band_kernel(
     tiles.span[1] = search_sorted(sorted_labels, batch, sorted_labels[p0 + rows - 1], /*strictly_above=*/true);
   }
   __syncthreads();
-  scale_negative_share(tiles, rows, dim, scale, lse_negative, negative_max, strip_height, grad);
+  acc_t* out = grad;
+  if (blockIdx.y == 0) {
+    scale_negative_share(tiles, rows, dim, scale, lse_negative, negative_max, strip_height, grad);
+  } else {
+    out = share_sums + (blockIdx.y - 1) * batch * dim;
+  }
   if (scale == acc_t(0)) return; // Z = -inf: no negative pair, a zero gradient
 
-  for (int64_t q0 = tiles.span[0]; q0 < tiles.span[1]; q0 += kBandCols) {
-    const int cols = static_cast<int>(std::min<int64_t>(kBandCols, tiles.span[1] - q0));
+  const int64_t steps = (tiles.span[1] - tiles.span[0] + Shape::kCols - 1) / Shape::kCols;
+  const int64_t first = steps * blockIdx.y / gridDim.y;
+  const int64_t last = steps * (blockIdx.y + 1) / gridDim.y;
+  for (int64_t step = first; step < last; ++step) {
+    const int64_t q0 = tiles.span[0] + step * Shape::kCols;
+    const int cols = static_cast<int>(std::min<int64_t>(Shape::kCols, tiles.span[1] - q0));
     if (threadIdx.x < cols) tiles.col_of[threadIdx.x] = order[q0 + threadIdx.x];
     __syncthreads();
-    acc_t dot[kBandRowsPerThread][2] = {};
-    band_dot_products(features, dim, tiles, rows, cols, dot);
+    BandDots<acc_t> dot = {};
+    band_dot_products<kWide>(features, dim, tiles, rows, cols, dot);
     store_band_weights(dot, sorted_labels + p0, sorted_labels + q0, rows, cols, logit, scale, lse_positive, tiles);
     __syncthreads();
-    add_weighted_members(features, dim, tiles, rows, cols, grad);
-    __syncthreads(); // col_of and weight are rewritten by the next span step
+    add_weighted_members<kWide>(features, dim, tiles, rows, cols, out);
+    // add_weighted_members ends on a barrier: col_of and weight may be rewritten
   }
+}
+
+// Rows of whole 16-byte runs from a 16-byte boundary: the band kernel's kWide.
+inline bool whole_runs(const at::Tensor& features) {
+  return features.size(1) * features.element_size() % 16 == 0 && reinterpret_cast<uintptr_t>(features.data_ptr()) % 16 == 0;
+}
+
+// At most this many CTAs share a row block's span: each share beyond the
+// first holds a (B, D) partial.
+constexpr int64_t kMaxBandShares = 4;
+
+// Its shared memory is past the 48 KiB a launch gets without asking.
+template <auto kernel, typename acc_t>
+void configure_band_kernel() {
+  configure_once<kernel>([] {
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sizeof(BandTiles<acc_t>))));
+    return true;
+  });
 }
 
 // The passes over the strips of rows × colsᵀ (symmetric: rows is cols).
@@ -610,39 +762,60 @@ class StripPasses {
     at::Tensor partials = at::empty({partial_count(), 4}, workspace_.options());
     at::Tensor negative_max = at::empty({strip_count()}, workspace_.options());
     at::Tensor grad = at::empty({batch, dim}, workspace_.options());
-    const at::Tensor weight_space = make_weight_space();
-    int64_t offset = 0;
-    for (int64_t k = 0; k < strip_count(); ++k) {
-      const Strip& strip = strips_[k];
-      const at::Tensor s = strip_similarities(rows_, cols_, strip, workspace_);
-      const int64_t n = launch_strip_lse(strip, s, partials, offset);
-      running_max_kernel<acc_t><<<1, kFinalizeThreads, 0, stream>>>(
-          partials.data_ptr<acc_t>() + PairStates<acc_t>::kValues * offset, n, negative_max.data_ptr<acc_t>(), k);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      offset += n;
-      const bool first = k == 0; // writes every row: no fill, no rescale
-      if (!first) {
-        const int64_t values = (batch - strip.row0) * dim;
-        const int64_t blocks = std::clamp<int64_t>((values + kColsPerCta - 1) / kColsPerCta, 1, 8 * sms_);
-        rescale_kernel<acc_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-            grad.data_ptr<acc_t>() + strip.row0 * dim, values, negative_max.data_ptr<acc_t>() + k - 1);
+    {
+      const at::Tensor weight_space = make_weight_space();
+      int64_t offset = 0;
+      for (int64_t k = 0; k < strip_count(); ++k) {
+        const Strip& strip = strips_[k];
+        const at::Tensor s = strip_similarities(rows_, cols_, strip, workspace_);
+        const int64_t n = launch_strip_lse(strip, s, partials, offset);
+        running_max_kernel<acc_t><<<1, kFinalizeThreads, 0, stream>>>(
+            partials.data_ptr<acc_t>() + PairStates<acc_t>::kValues * offset, n, negative_max.data_ptr<acc_t>(), k);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
+        offset += n;
+        const bool first = k == 0; // writes every row: no fill, no rescale
+        if (!first) {
+          const int64_t values = (batch - strip.row0) * dim;
+          const int64_t blocks = std::clamp<int64_t>((values + kColsPerCta - 1) / kColsPerCta, 1, 8 * sms_);
+          rescale_kernel<acc_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+              grad.data_ptr<acc_t>() + strip.row0 * dim, values, negative_max.data_ptr<acc_t>() + k - 1);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+        const at::Tensor weights = launch_weights(strip, s, weight_space, nullptr, negative_max.data_ptr<acc_t>() + k);
+        add_strip_gradient(grad, weights, strip, /*accumulate_own=*/!first, /*accumulate_below=*/!first);
       }
-      const at::Tensor weights = launch_weights(strip, s, weight_space, nullptr, negative_max.data_ptr<acc_t>() + k);
-      add_strip_gradient(grad, weights, strip, /*accumulate_own=*/!first, /*accumulate_below=*/!first);
     }
+    // Past the strips S's workspace is free for the positive pairs' partials.
+    workspace_ = at::Tensor();
     at::Tensor scalars = at::empty({4}, rows_.features.options().dtype(at::kDouble));
     launch_finalize<kFinalizeThreads>(
         partials.data_ptr<acc_t>(), partials.size(0), nullptr, scalars.data_ptr<double>(), loss.data_ptr<scalar_t>());
-
-    const auto [sorted_labels, order] = at::sort(rows_.labels, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-    const int64_t bands = (batch + kBandRows - 1) / kBandRows;
-    positive_band_kernel<scalar_t, acc_t><<<static_cast<unsigned>(bands), kThreads, 0, stream>>>(
-        rows_.features.data_ptr<scalar_t>(), batch, dim, sorted_labels.data_ptr<int64_t>(), order.data_ptr<int64_t>(),
-        logit_, scalars.data_ptr<double>(), negative_max.data_ptr<acc_t>(), strips_.front().rows,
-        grad.data_ptr<acc_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    add_positive_pairs(grad, scalars, negative_max);
     return grad;
+  }
+
+ private:
+  // positive_band_kernel over the rows sorted by label, with as many shares of
+  // each row block's span as put two CTAs on every SM.
+  void add_positive_pairs(at::Tensor& grad, const at::Tensor& scalars, const at::Tensor& negative_max) const {
+    const int64_t batch = rows_.size();
+    const int64_t dim = rows_.features.size(1);
+    const auto [sorted_labels, order] = at::sort(rows_.labels, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    const int64_t bands = (batch + BandShape<acc_t>::kRows - 1) / BandShape<acc_t>::kRows;
+    const int64_t shares = std::clamp<int64_t>((2 * sms_ + bands - 1) / bands, 1, kMaxBandShares);
+    const at::Tensor share_sums = at::zeros({shares - 1, batch, dim}, grad.options());
+    const auto launch = [&](auto wide) {
+      constexpr auto kernel = &positive_band_kernel<scalar_t, acc_t, decltype(wide)::value>;
+      configure_band_kernel<kernel, acc_t>();
+      kernel<<<dim3(static_cast<unsigned>(bands), static_cast<unsigned>(shares)), kThreads, sizeof(BandTiles<acc_t>),
+               c10::cuda::getCurrentCUDAStream()>>>(
+          rows_.features.data_ptr<scalar_t>(), batch, dim, sorted_labels.data_ptr<int64_t>(), order.data_ptr<int64_t>(),
+          logit_, scalars.data_ptr<double>(), negative_max.data_ptr<acc_t>(), strips_.front().rows,
+          grad.data_ptr<acc_t>(), share_sums.data_ptr<acc_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    whole_runs(rows_.features) ? launch(std::true_type{}) : launch(std::false_type{});
+    for (int64_t s = 0; s + 1 < shares; ++s) grad.add_(share_sums[s]);
   }
 
  private:
@@ -816,7 +989,7 @@ std::tuple<at::Tensor, at::Tensor> loss_and_grad_cuda(
     // that costs less than a second pass. float16/bfloat16 form S on the
     // tensor cores, where the second pass costs less than the positive band,
     // and so does float32 where cuBLAS may use TF32 (its GEMMs then run about
-    // six times the band kernel's SIMT rate).
+    // six times as fast as in float32, the band kernel not at all faster).
     const bool tf32 = std::is_same_v<scalar_t, float> && cublas_may_use_tf32();
     const bool one_pass = std::is_same_v<scalar_t, at::opmath_type<scalar_t>> && passes.strip_count() > 1 && !tf32;
     const at::Tensor grad_acc =
