@@ -32,6 +32,7 @@ SHAPES = [  # (B, D, classes, M or None): tiny, odd, tile edges, several tiles
     (40, 12, 4, 300),
     (130, 16, 7, 513),
     (300, 8, 3, 33),
+    (1100, 8, 5, 600),  # more row blocks than the gradient's column shares
 ]
 
 
@@ -209,12 +210,14 @@ def test_nan_propagates(device):
 def test_bitwise_deterministic_for_any_thread_count(device):
     features, labels = make_inputs(700, 32, 6, device)
     ref, ref_labels = make_inputs(300, 32, 6, device)
+    bank, bank_labels = make_inputs(1500, 32, 6, device)  # few queries, many references: shares of columns
     threads = torch.get_num_threads()
     results = []
     for n in ([1, threads] if device.type == "cpu" else [threads, threads]):
         torch.set_num_threads(n)
         try:
-            results.append(run_anchor(features, labels) + run_anchor(features, labels, ref, ref_labels))
+            results.append(run_anchor(features, labels) + run_anchor(features, labels, ref, ref_labels)
+                           + run_anchor(features[:100], labels[:100], bank, bank_labels))
         finally:
             torch.set_num_threads(threads)
     for a, b in zip(*results):

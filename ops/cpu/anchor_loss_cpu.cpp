@@ -21,6 +21,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
@@ -354,6 +355,44 @@ RowStates row_states_symmetric(
   return by_row;
 }
 
+// Against a reference set the tiles are Q's row blocks × R's column blocks.
+// A few row blocks against many references (a memory bank of M ≫ B) would
+// leave most threads idle if a task took a row block, so the column blocks
+// are split into shares, each with accumulators of its own that are then
+// merged share by share. The split depends on the shapes alone, so results
+// stay the same for any thread count.
+constexpr int64_t kGroupedTasks = 16;
+// The gradient's shares hold a (B, D) sum each: no more than this many rows
+// of them in all.
+constexpr int64_t kGroupedRows = 16 * kTile;
+
+struct ColumnGroups {
+  int64_t row_blocks;
+  int64_t col_blocks;
+  int64_t groups;
+
+  // Column blocks [first(g), first(g + 1)) are share g's.
+  int64_t first(int64_t g) const { return col_blocks * g / groups; }
+
+  // The row states: a task a (row block, share), kGroupedTasks of them.
+  static ColumnGroups for_states(int64_t rows, int64_t cols) {
+    const int64_t row_blocks = at::divup(rows, kTile);
+    return make(row_blocks, at::divup(cols, kTile), at::divup(kGroupedTasks, std::max<int64_t>(row_blocks, 1)));
+  }
+
+  // The gradient: a task a share, walking every row block, so that each tile
+  // of W serves dQ and dR; worth it where the shares outnumber the row blocks.
+  static ColumnGroups for_gradient(int64_t rows, int64_t cols) {
+    const int64_t wanted = std::min(kGroupedTasks, kGroupedRows / std::max<int64_t>(rows, 1));
+    return make(at::divup(rows, kTile), at::divup(cols, kTile), wanted);
+  }
+
+ private:
+  static ColumnGroups make(int64_t row_blocks, int64_t col_blocks, int64_t wanted) {
+    return {row_blocks, col_blocks, std::clamp<int64_t>(wanted, 1, std::max<int64_t>(col_blocks, 1))};
+  }
+};
+
 template <typename T>
 RowStates row_states_against(
     const at::Tensor& q,
@@ -362,16 +401,22 @@ RowStates row_states_against(
     const int32_t* r_ids,
     const PairLogit<T>& logit,
     const LeftOutPairs& left_out) {
-  RowStates states(q.size(0));
-  for_each_task(at::divup(q.size(0), kTile), [&](int64_t bi) {
-    for (int64_t bj = 0; bj < at::divup(r.size(0), kTile); ++bj) {
+  const int64_t batch = q.size(0);
+  const ColumnGroups split = ColumnGroups::for_states(batch, r.size(0));
+  std::vector<RowStates> shares(split.groups, RowStates(batch));
+  for_each_task(split.row_blocks * split.groups, [&](int64_t t) {
+    const int64_t bi = t / split.groups, g = t % split.groups;
+    for (int64_t bj = split.first(g); bj < split.first(g + 1); ++bj) {
       const PairTile<T> tile(
           block_of(q, bi), q_ids + bi * kTile, block_of(r, bj), r_ids + bj * kTile, logit, left_out,
           {bi * kTile, bj * kTile});
-      merge_tile_states</*kColumns=*/false>(tile, states.data() + bi * kTile, nullptr);
+      merge_tile_states</*kColumns=*/false>(tile, shares[g].data() + bi * kTile, nullptr);
     }
   });
-  return states;
+  for (int64_t g = 1; g < split.groups; ++g) {
+    for (int64_t i = 0; i < batch; ++i) shares[0][i].merge(shares[g][i]);
+  }
+  return std::move(shares[0]);
 }
 
 // The op's inputs in the compute dtype, and labels as shared class ids.
@@ -504,27 +549,42 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cpu(
       grad_q.add_(by_col);
     } else {
       const int32_t* r_ids = in.r_ids.data_ptr<int32_t>();
-      const int64_t row_blocks = at::divup(batch, kTile);
-      const int64_t col_blocks = at::divup(in.r.size(0), kTile);
       const auto weights = [&](int64_t bi, int64_t bj) {
         return tile_weights<T>(
             block_of(in.q, bi), q_ids + bi * kTile, coefficients.from(bi * kTile), block_of(in.r, bj),
             r_ids + bj * kTile, nullptr, logit, in.left_out(), {bi * kTile, bj * kTile});
       };
-      // dQ by row blocks, then dR by column blocks, each walking the other
-      // in order: every accumulator has one owner, at the price of forming
-      // the tiles of W twice (once, when dR is not wanted).
-      for_each_task(row_blocks, [&](int64_t bi) {
-        for (int64_t bj = 0; bj < col_blocks; ++bj) {
-          block_of(grad_q, bi).addmm_(weights(bi, bj), block_of(in.r, bj));
-        }
-      });
-      if (ref_grad) {
-        for_each_task(col_blocks, [&](int64_t bj) {
-          for (int64_t bi = 0; bi < row_blocks; ++bi) {
-            block_of(grad_r, bj).addmm_(weights(bi, bj).t(), block_of(in.q, bi));
+      const ColumnGroups split = ColumnGroups::for_gradient(batch, in.r.size(0));
+      if (split.groups > 1 && split.groups >= split.row_blocks) {
+        // dR's blocks are each share's own; dQ is summed share by share.
+        const at::Tensor shares = at::zeros({split.groups - 1, batch, in.q.size(1)}, in.q.options());
+        for_each_task(split.groups, [&](int64_t g) {
+          at::Tensor grad_q_share = g == 0 ? grad_q : shares[g - 1];
+          for (int64_t bj = split.first(g); bj < split.first(g + 1); ++bj) {
+            for (int64_t bi = 0; bi < split.row_blocks; ++bi) {
+              const at::Tensor w = weights(bi, bj);
+              block_of(grad_q_share, bi).addmm_(w, block_of(in.r, bj));
+              if (ref_grad) block_of(grad_r, bj).addmm_(w.t(), block_of(in.q, bi));
+            }
           }
         });
+        for (int64_t g = 1; g < split.groups; ++g) grad_q.add_(shares[g - 1]);
+      } else {
+        // dQ by row blocks, then dR by column blocks, each walking the other
+        // in order: every accumulator has one owner, at the price of forming
+        // the tiles of W twice (once, when dR is not wanted).
+        for_each_task(split.row_blocks, [&](int64_t bi) {
+          for (int64_t bj = 0; bj < split.col_blocks; ++bj) {
+            block_of(grad_q, bi).addmm_(weights(bi, bj), block_of(in.r, bj));
+          }
+        });
+        if (ref_grad) {
+          for_each_task(split.col_blocks, [&](int64_t bj) {
+            for (int64_t bi = 0; bi < split.row_blocks; ++bi) {
+              block_of(grad_r, bj).addmm_(weights(bi, bj).t(), block_of(in.q, bi));
+            }
+          });
+        }
       }
     }
   });
