@@ -165,18 +165,23 @@ __device__ __forceinline__ void tile_entry_states(
       return r >= valid_rows || c >= valid_cols ? 0.0f : !diagonal ? 1.0f : c > r ? 1.0f : c == r ? 0.5f : 0.0f;
     }
   };
-  tile.for_each([&](float& s, int r, int c) {
+  // Which entries are positive pairs, a bit each: the labels' compares are
+  // made once, and the 64-bit labels of the thread's columns need not stay
+  // in registers through both loops.
+  uint32_t positives[TileAccumulators::kEntries / 32] = {};
+  tile.for_each([&](float& s, int r, int c, int k) {
     const bool is_positive = labels.positive(r, c);
+    positives[k / 32] |= static_cast<uint32_t>(is_positive) << k % 32;
     float slope;
     s = logit(s, is_positive, &slope); // the entry now holds its logit
     if (weight_of(r, c) == 0.0f) return;
     float& largest = is_positive ? positive.max : negative.max;
     largest = nan_max(largest, s);
   });
-  tile.for_each([&](float z, int r, int c) {
+  tile.for_each([&](float z, int r, int c, int k) {
     const float weight = weight_of(r, c);
     if (weight == 0.0f) return;
-    const bool is_positive = labels.positive(r, c);
+    const bool is_positive = positives[k / 32] >> k % 32 & 1u;
     const float largest = is_positive ? positive.max : negative.max;
     (is_positive ? positive.sum : negative.sum) += z == largest ? weight : weight * __expf(z - largest);
   });
@@ -202,7 +207,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
   const int64_t col0 = tj * kMmaTile;
   labels.load(in, row0, col0);
   TileAccumulators tile;
-  multiply_tile(tile, in, row0, col0, reinterpret_cast<T*>(stages));
+  multiply_tile(tile, in, row0, col0, stage_memory<T>(stages));
   __syncthreads(); // the labels, also where dim gives the main loop no step
   const int valid_rows = static_cast<int>(in.n_rows - row0 < kMmaTile ? in.n_rows - row0 : kMmaTile);
   const int valid_cols = static_cast<int>(in.n_cols - col0 < kMmaTile ? in.n_cols - col0 : kMmaTile);
@@ -236,21 +241,22 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
   extern __shared__ __align__(128) unsigned char stages[];
   constexpr int kStride = kMmaTile + 8; // padded rows of the staged tile: its writes avoid bank conflicts
   static_assert(kStride * sizeof(T) % 16 == 0, "staged rows start 16-byte aligned");
-  static_assert(kMmaTile * kStride * sizeof(T) <= kMmaSharedBytes, "the staged tile fits in the stages");
+  static_assert(kMmaTile * kStride * sizeof(T) <= kMmaSharedBytes - kStageAlignment,
+                "the staged tile fits in the stages");
   const int64_t row0 = blockIdx.y * static_cast<int64_t>(kMmaTile);
   const int64_t col0 = blockIdx.x * static_cast<int64_t>(kMmaTile);
   __shared__ TileLabels labels;
   labels.load(in, row0, col0);
   TileAccumulators tile;
-  multiply_tile(tile, in, row0, col0, reinterpret_cast<T*>(stages));
+  multiply_tile(tile, in, row0, col0, stage_memory<T>(stages));
   __syncthreads(); // the labels, also where dim gives the main loop no step
   const LossScalars loss = LossScalars::load(scalars);
   const float lse_positive = static_cast<float>(loss.lse_positive);
   const float lse_negative = static_cast<float>(loss.lse_negative);
   const float scale = static_cast<float>(loss.grad_scale);
-  T* staged = reinterpret_cast<T*>(stages);
+  T* staged = stage_memory<T>(stages);
   __syncthreads(); // every warp is done with the stages
-  tile.for_each([&](float s, int r, int c) {
+  tile.for_each([&](float s, int r, int c, int) {
     const bool is_positive = labels.positive(r, c);
     float slope;
     const float z = logit(s, is_positive, &slope);

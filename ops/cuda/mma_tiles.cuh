@@ -3,13 +3,18 @@
 // in place, so that it never goes to memory. Used by circle_loss_cuda.cu for
 // the LSE partials and the gradient weights of half-precision batches.
 //
-// A CTA of kMmaThreads threads owns a kMmaTile × kMmaTile tile of S. Its 8
-// warps are 2 (rows) × 4 (columns), each warp kWarpRows × kWarpCols made of
-// mma.sync m16n8k16 tiles (sm_80 on). The features pass through shared
-// memory kMmaK at a time in kMmaStages stages, copied by cp.async and read
-// by ldmatrix; each 128-byte row of a stage stores its 16-byte chunks in an
-// XOR-swizzled order, so that the 8 rows one ldmatrix phase reads fall in
-// distinct banks.
+// A CTA of kMmaThreads threads owns a kMmaTile × kMmaTile tile of S. The
+// features pass through shared memory kMmaK at a time in kMmaStages stages,
+// copied by cp.async; each 128-byte row of a stage stores its 16-byte chunks
+// in an XOR-swizzled order (chunk ^ row % 8), which is at once the layout
+// Hopper's warpgroup MMA reads as its 128-byte swizzle and one in which the
+// 8 rows an ldmatrix phase reads fall in distinct banks. The products:
+//   sm_90a (the code built for Hopper): wgmma, each of the two warpgroups
+//     64 rows × all 128 columns, both operands read from the stages;
+//   sm_80 on otherwise: mma.sync m16n8k16, the 8 warps 2 (rows) × 4
+//     (columns) of kWarpRows × kWarpCols, operands by ldmatrix.
+// Either way a thread holds 16 m16n8 accumulator fragments in the same
+// register layout, so the epilogues are written once.
 #pragma once
 
 #include "common.cuh"
@@ -18,6 +23,11 @@
 #include <c10/util/Half.h>
 
 #include <type_traits>
+
+// The device pass for sm_90a, whose instructions include wgmma.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define CIRCLE_LOSS_WARPGROUP_MMA 1
+#endif
 
 namespace circle_loss {
 namespace {
@@ -32,8 +42,13 @@ constexpr int kMmaRowTiles = kWarpRows / 16; // m16 tiles a warp
 constexpr int kMmaColTiles = kWarpCols / 8; // n8 tiles a warp
 constexpr int kChunksPerRow = kMmaK * 2 / 16; // 16-byte chunks of a stage row
 constexpr int kStageElements = kMmaTile * kMmaK; // one operand of one stage
-constexpr int kMmaSharedBytes = kMmaStages * 2 * kStageElements * 2;
+// wgmma's swizzle is a function of the shared address, so the stages start on
+// a boundary of its 8-row atom (1024 bytes); the dynamic shared memory has
+// room to round up to one.
+constexpr int kStageAlignment = 1024;
+constexpr int kMmaSharedBytes = kMmaStages * 2 * kStageElements * 2 + kStageAlignment;
 static_assert((kMmaTile / kWarpRows) * (kMmaTile / kWarpCols) * 32 == kMmaThreads, "8 warps, 2 × 4");
+static_assert(kMmaThreads / 128 * 64 == kMmaTile, "two warpgroups of 64 rows");
 
 // The tensor cores take these two dtypes, and rows of a multiple of 8
 // features (whole 16-byte chunks), 16-byte aligned.
@@ -53,37 +68,59 @@ struct TileOperands {
   int64_t dim;
 };
 
-// One thread's share of a CTA's tile: acc[mi][ni][e] is S at
-// (row_of(mi, e), col_of(ni, e)) relative to the tile's first row and column,
-// the layout of mma.sync's m16n8 accumulators.
+// One thread's share of a CTA's tile: acc[f][e] is S at (row_of(f, e),
+// col_of(f, e)) relative to the tile's first row and column; each fragment f
+// is an m16n8 accumulator tile in mma.sync's layout (lane / 4 picks the row,
+// lane % 4 the column pair, e / 2 the upper 8 rows). wgmma's m64n128 result
+// is 16 of them side by side, warp w of the CTA holding rows [16w, 16w + 16);
+// with mma.sync, f = mi · kMmaColTiles + ni within the warp's own block.
 struct TileAccumulators {
-  float acc[kMmaRowTiles][kMmaColTiles][4];
+  static constexpr int kFragments = kMmaRowTiles * kMmaColTiles;
+  static_assert(kFragments * 8 == kMmaTile, "a warpgroup's fragments span the tile's columns");
+  float acc[kFragments][4];
 
-  __device__ __forceinline__ static int row_of(int mi, int e) {
+  __device__ __forceinline__ static int row_of(int f, int e) {
+    const int lane_row = threadIdx.x % 32 / 4 + e / 2 * 8;
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
+    return threadIdx.x / 32 * 16 + lane_row;
+#else
     const int warp_row = threadIdx.x / 32 / (kMmaTile / kWarpCols) * kWarpRows;
-    return warp_row + mi * 16 + threadIdx.x % 32 / 4 + e / 2 * 8;
+    return warp_row + f / kMmaColTiles * 16 + lane_row;
+#endif
   }
-  __device__ __forceinline__ static int col_of(int ni, int e) {
+  __device__ __forceinline__ static int col_of(int f, int e) {
+    const int lane_col = threadIdx.x % 4 * 2 + e % 2;
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
+    return f * 8 + lane_col;
+#else
     const int warp_col = threadIdx.x / 32 % (kMmaTile / kWarpCols) * kWarpCols;
-    return warp_col + ni * 8 + threadIdx.x % 4 * 2 + e % 2;
+    return warp_col + f % kMmaColTiles * 8 + lane_col;
+#endif
   }
 
-  // visit(s, r, c) for each of the thread's entries s, at (r, c) in the tile.
+  static constexpr int kEntries = kFragments * 4;
+
+  // visit(s, r, c, k) for each of the thread's entries s, at (r, c) in the
+  // tile; k in [0, kEntries) numbers them.
   template <typename Visit>
   __device__ __forceinline__ void for_each(Visit visit) {
 #pragma unroll
-    for (int mi = 0; mi < kMmaRowTiles; ++mi) {
+    for (int f = 0; f < kFragments; ++f) {
 #pragma unroll
-      for (int ni = 0; ni < kMmaColTiles; ++ni) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) visit(acc[mi][ni][e], row_of(mi, e), col_of(ni, e));
-      }
+      for (int e = 0; e < 4; ++e) visit(acc[f][e], row_of(f, e), col_of(f, e), f * 4 + e);
     }
   }
 };
 
 __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+// The stages' start: the dynamic shared memory rounded up to kStageAlignment.
+template <typename T>
+__device__ __forceinline__ T* stage_memory(unsigned char* dynamic_shared) {
+  const uint32_t past = shared_address(dynamic_shared) % kStageAlignment;
+  return reinterpret_cast<T*>(dynamic_shared + (past == 0 ? 0 : kStageAlignment - past));
 }
 
 // Byte offset of 16-byte chunk `chunk` of row `row` within a stage operand.
@@ -145,9 +182,84 @@ __device__ __forceinline__ void mma_16x8x16(float (&acc)[4], const uint32_t (&a)
 #endif
 }
 
-// One stage's kMmaK features of the warp's products, 16 at a time.
+// wgmma's descriptor of a stage operand from `address` on: K-major rows of
+// 128 bytes in the 128-byte swizzle, 8-row atoms 1024 bytes apart (the stride
+// byte offset); the leading byte offset is unused in this mode (1 by
+// convention). Bits: start >> 4 at 0, leading >> 4 at 16, stride >> 4 at 32,
+// the swizzle mode at 62.
+__device__ __forceinline__ uint64_t stage_descriptor(uint32_t address) {
+  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
+      (static_cast<uint64_t>(kStageAlignment >> 4) << 32) | (uint64_t{1} << 62);
+}
+
+// d += a · bᵀ for the warpgroup: a 64 × 16 and b 128 × 16, both K-major in
+// shared memory, d (64 × 128) in its 16 fragments. Asynchronous: the result
+// is there after warpgroup_commit_and_wait.
+template <typename T>
+__device__ __forceinline__ void warpgroup_mma_64x128x16(float (&d)[16][4], uint64_t a, uint64_t b) {
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
+#define FRAGMENT(f) "+f"(d[f][0]), "+f"(d[f][1]), "+f"(d[f][2]), "+f"(d[f][3])
+#define WGMMA(types)                                                                                        \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." types " "                                      \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
+               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
+               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "            \
+               "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                               \
+               : FRAGMENT(0), FRAGMENT(1), FRAGMENT(2), FRAGMENT(3), FRAGMENT(4), FRAGMENT(5), FRAGMENT(6),    \
+                 FRAGMENT(7), FRAGMENT(8), FRAGMENT(9), FRAGMENT(10), FRAGMENT(11), FRAGMENT(12), FRAGMENT(13), \
+                 FRAGMENT(14), FRAGMENT(15)                                                                   \
+               : "l"(a), "l"(b), "r"(1))
+  // Operands: d, the two descriptors, scale-d (1: accumulate), then a and b
+  // unscaled and untransposed (both K-major).
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    WGMMA("bf16.bf16");
+  } else {
+    WGMMA("f16.f16");
+  }
+#undef WGMMA
+#undef FRAGMENT
+#endif
+}
+
+// Orders the warpgroup's register accesses before the wgmma that follow.
+__device__ __forceinline__ void warpgroup_fence() {
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+// Closes the wgmma issued so far into a group, then waits for all of them.
+__device__ __forceinline__ void warpgroup_commit_and_wait() {
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+
+// Makes this thread's cp.async writes to shared memory visible to the
+// tensor cores' reads (another memory proxy), ahead of the barrier.
+__device__ __forceinline__ void fence_copies_for_mma() {
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// One stage's kMmaK features of the products, 16 at a time.
 template <typename T>
 __device__ __forceinline__ void multiply_stage(TileAccumulators& tile, const T* row_stage, const T* col_stage) {
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
+  // The warpgroup's 64 rows are 8 whole swizzle atoms of the row stage; a
+  // step of 16 features is 32 bytes into each 128-byte row.
+  const uint32_t rows = shared_address(row_stage) + threadIdx.x / 128 * 64 * kMmaK * sizeof(T);
+  const uint32_t cols = shared_address(col_stage);
+  warpgroup_fence();
+#pragma unroll
+  for (int kk = 0; kk < kMmaK / 16; ++kk) {
+    warpgroup_mma_64x128x16<T>(tile.acc, stage_descriptor(rows + kk * 32), stage_descriptor(cols + kk * 32));
+  }
+  warpgroup_commit_and_wait();
+#else
   const int lane = threadIdx.x % 32;
   const int warp_row = threadIdx.x / 32 / (kMmaTile / kWarpCols) * kWarpRows;
   const int warp_col = threadIdx.x / 32 % (kMmaTile / kWarpCols) * kWarpCols;
@@ -179,13 +291,16 @@ __device__ __forceinline__ void multiply_stage(TileAccumulators& tile, const T* 
 #pragma unroll
     for (int mi = 0; mi < kMmaRowTiles; ++mi) {
 #pragma unroll
-      for (int ni = 0; ni < kMmaColTiles; ++ni) mma_16x8x16<T>(tile.acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
+      for (int ni = 0; ni < kMmaColTiles; ++ni) {
+        mma_16x8x16<T>(tile.acc[mi * kMmaColTiles + ni], a[mi], b[ni][0], b[ni][1]);
+      }
     }
   }
+#endif
 }
 
 // The main loop: the tile rows[row0, +kMmaTile) · cols[col0, +kMmaTile)ᵀ
-// over all dim features. shared: kMmaSharedBytes of dynamic shared memory.
+// over all dim features. shared: from stage_memory.
 template <typename T>
 __device__ __forceinline__ void multiply_tile(
     TileAccumulators& tile,
@@ -193,7 +308,7 @@ __device__ __forceinline__ void multiply_tile(
     int64_t row0,
     int64_t col0,
     T* shared) {
-  tile.for_each([](float& s, int, int) { s = 0.0f; });
+  tile.for_each([](float& s, int, int, int) { s = 0.0f; });
   const auto row_stage = [&](int s) { return shared + s * 2 * kStageElements; };
   const auto col_stage = [&](int s) { return shared + s * 2 * kStageElements + kStageElements; };
   const int64_t steps = (in.dim + kMmaK - 1) / kMmaK;
@@ -207,6 +322,7 @@ __device__ __forceinline__ void multiply_tile(
   }
   for (int64_t step = 0; step < steps; ++step) {
     wait_copies<kMmaStages - 2>(); // this step's stage has landed
+    fence_copies_for_mma();
     __syncthreads(); // ... for every thread, and the stage refilled below is no longer read
     const int64_t next = step + kMmaStages - 1;
     if (next < steps) {
