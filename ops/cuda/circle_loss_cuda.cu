@@ -682,16 +682,6 @@ inline bool whole_runs(const at::Tensor& features) {
 // first holds a (B, D) partial.
 constexpr int64_t kMaxBandShares = 4;
 
-// Its shared memory is past the 48 KiB a launch gets without asking.
-template <auto kernel, typename acc_t>
-void configure_band_kernel() {
-  configure_once<kernel>([] {
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sizeof(BandTiles<acc_t>))));
-    return true;
-  });
-}
-
 // The passes over the strips of rows × colsᵀ (symmetric: rows is cols).
 template <typename scalar_t>
 class StripPasses {
@@ -812,7 +802,7 @@ class StripPasses {
     const at::Tensor share_sums = at::zeros({shares - 1, batch, dim}, grad.options());
     const auto launch = [&](auto wide) {
       constexpr auto kernel = &positive_band_kernel<scalar_t, acc_t, decltype(wide)::value>;
-      configure_band_kernel<kernel, acc_t>();
+      configure_kernel<kernel>(sizeof(BandTiles<acc_t>), /*largest_carveout=*/false);
       kernel<<<dim3(static_cast<unsigned>(bands), static_cast<unsigned>(shares)), kThreads, sizeof(BandTiles<acc_t>),
                c10::cuda::getCurrentCUDAStream()>>>(
           rows_.features.data_ptr<scalar_t>(), batch, dim, sorted_labels.data_ptr<int64_t>(), order.data_ptr<int64_t>(),

@@ -241,6 +241,22 @@ __device__ __forceinline__ void wait_copies() {
 #endif
 }
 
+// Lets `kernel` launch with dynamic_shared_bytes, which past 48 KiB must be
+// asked for, once on each device; largest_carveout also asks each SM for its
+// largest shared-memory carveout rather than the driver's choice.
+template <auto kernel>
+void configure_kernel(size_t dynamic_shared_bytes, bool largest_carveout) {
+  configure_once<kernel>([&] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic_shared_bytes)));
+    if (largest_carveout) {
+      C10_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    }
+    return true;
+  });
+}
+
 // Tiles (row, col), col >= row, of an edge × edge grid, numbered row by row:
 // row r starts at r·(2·edge − r + 1)/2.
 template <typename Index>

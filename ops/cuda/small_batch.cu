@@ -748,21 +748,6 @@ __global__ void __launch_bounds__(kThreads, 2) small_gradient_kernel(
   store_gradient<scalar_t>(warp_sums, ring.row0, ring.col0, batch, dim, grad);
 }
 
-// Dynamic shared memory past 48 KiB must be asked for. The largest
-// shared-memory carveout lets a gradient CTA, started early by its dependent
-// launch, fit on an SM beside a similarity CTA: by default the driver sizes an
-// SM's carveout for the kernel it runs first, which left too little room.
-template <auto kernel>
-void configure_kernel(size_t dynamic_shared_bytes) {
-  configure_once<kernel>([&] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic_shared_bytes)));
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-    return true;
-  });
-}
-
 // The loss, and with grad given dloss/dfeatures, of one small batch.
 template <typename scalar_t>
 void small_batch(
@@ -790,7 +775,10 @@ void small_batch(
 
   constexpr auto similarity_kernel = small_similarity_kernel<scalar_t, acc_t>;
   constexpr size_t similarity_bytes = SimilarityShape<scalar_t>::kSharedBytes;
-  configure_kernel<similarity_kernel>(similarity_bytes);
+  // The largest carveout lets a gradient CTA, started early by its dependent
+  // launch, fit on an SM beside a similarity CTA: by default the driver sizes
+  // an SM's carveout for the kernel it runs first, which left too little room.
+  configure_kernel<similarity_kernel>(similarity_bytes, /*largest_carveout=*/true);
   similarity_kernel<<<units, kThreads, similarity_bytes, c10::cuda::getCurrentCUDAStream()>>>(
       feature_data, labels.data_ptr<int64_t>(), batch, dim, vectorized, logit, terms, partials);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -801,7 +789,7 @@ void small_batch(
   *grad = at::empty_like(features);
   using Shape = GradientShape<scalar_t, acc_t>;
   constexpr auto gradient_kernel = small_gradient_kernel<scalar_t, acc_t>;
-  configure_kernel<gradient_kernel>(Shape::kSharedBytes);
+  configure_kernel<gradient_kernel>(Shape::kSharedBytes, /*largest_carveout=*/true);
   // One CTA per row block and slice of the features, and the loss's.
   const int slices = std::max((dim + Shape::kSliceCols - 1) / Shape::kSliceCols, 1);
   const dim3 grid(edge * slices + 1);
