@@ -19,10 +19,11 @@ pip_install torch scikit-build-core ninja "$@"
 command -v cmake >/dev/null || pip_install cmake
 
 # Against a CPU torch with nvcc present, the CUDA sources are still compiled
-# (not linked), so that a CUDA compile error fails here, as in CI.
+# (not linked), so that a CUDA compile error fails here, as in CI: for 9.0
+# (Hopper's wgmma tiles) and 8.0 (the mma.sync tiles every other GPU takes).
 build_args=()
 if command -v nvcc >/dev/null && python -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then
-  build_args+=(-C cmake.define.CIRCLE_LOSS_CUDA_COMPILE_CHECK=ON)
+  build_args+=(-C cmake.define.CIRCLE_LOSS_CUDA_COMPILE_CHECK=ON -C "cmake.define.TORCH_CUDA_ARCH_LIST=8.0;9.0")
 fi
 # --no-build-isolation: the library must be built against the torch it runs with.
 pip_install --no-build-isolation "${build_args[@]}" .
