@@ -91,21 +91,22 @@ struct NoAutocast {
 };
 
 // The logit of one ordered pair and its slope dz/ds with alpha detached
-// (docs/math.md, "Inputs"). Written once, inlined into the CPU
-// loops and the CUDA epilogues alike; both sets are computed and one is
-// selected, with no branch, so that the loops around it vectorise.
+// (docs/math.md, "Inputs"). Written once, inlined into the CPU loops and the
+// CUDA epilogues alike. The two sets differ only in constants: α is
+// max((1 + m) - s, 0) or max(s + m, 0), the slope -γα or γα, and
+// z = slope·(s - Δ) with Δ = 1 - m or m. The set's values are selected before
+// the arithmetic, with no branch, so that the loops around it vectorise and
+// each entry pays for one set's operations.
 template <typename T>
 struct PairLogit {
   T margin;
   T gamma;
 
   CIRCLE_LOSS_HOST_DEVICE inline T operator()(T s, bool positive, T* slope) const {
-    const T alpha_pos = T(1) + margin - s > T(0) ? T(1) + margin - s : T(0);
-    const T alpha_neg = s + margin > T(0) ? s + margin : T(0);
-    const T slope_pos = -gamma * alpha_pos;
-    const T slope_neg = gamma * alpha_neg;
-    *slope = positive ? slope_pos : slope_neg;
-    return positive ? slope_pos * (s - (T(1) - margin)) : slope_neg * (s - margin);
+    const T distance = positive ? T(1) + margin - s : s + margin;
+    const T alpha = distance > T(0) ? distance : T(0);
+    *slope = (positive ? -gamma : gamma) * alpha;
+    return *slope * (s - (positive ? T(1) - margin : margin));
   }
 };
 
