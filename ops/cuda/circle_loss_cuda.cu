@@ -137,10 +137,30 @@ __device__ __forceinline__ void tile_position(bool symmetric, int64_t col_tiles,
   *tj = tile.col;
 }
 
-// The tensor-core epilogues take exp from the special-function unit
-// (__expf, a few ulp): float16/bfloat16 inputs resolve far less, and the
-// full-precision exp doubles the instructions of an epilogue that already
-// issues more than its tile's main loop.
+// The tensor-core epilogues issue more instructions than their tiles' main
+// loops, so each entry's steps are single instructions where one will do:
+// exp from the special-function unit (ex2, a few ulp: float16/bfloat16
+// inputs resolve far less) with log2(e) folded into one multiply-add, and
+// the NaN-propagating max of sm_80 on.
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x, approximately.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float out;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(out) : "f"(x));
+  return out;
+}
+
+// nan_max(a, b).
+__device__ __forceinline__ float fast_nan_max(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+  float out;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(out) : "f"(a), "f"(b));
+  return out;
+#else
+  return nan_max(a, b);
+#endif
+}
 
 // The thread's (max, Σ) of both sets over its entries of a tile, which hold
 // S on entry and their logits on exit; each entry's sum term is weighted by
@@ -169,21 +189,28 @@ __device__ __forceinline__ void tile_entry_states(
   // made once, and the 64-bit labels of the thread's columns need not stay
   // in registers through both loops.
   uint32_t positives[TileAccumulators::kEntries / 32] = {};
+  const auto is_positive = [&](int k) { return (positives[k / 32] & 1u << k % 32) != 0u; };
   tile.for_each([&](float& s, int r, int c, int k) {
-    const bool is_positive = labels.positive(r, c);
-    positives[k / 32] |= static_cast<uint32_t>(is_positive) << k % 32;
+    const bool in_positive = labels.positive(r, c);
+    positives[k / 32] |= static_cast<uint32_t>(in_positive) << k % 32;
     float slope;
-    s = logit(s, is_positive, &slope); // the entry now holds its logit
+    s = logit(s, in_positive, &slope); // the entry now holds its logit
     if (weight_of(r, c) == 0.0f) return;
-    float& largest = is_positive ? positive.max : negative.max;
-    largest = nan_max(largest, s);
+    float& largest = in_positive ? positive.max : negative.max;
+    largest = fast_nan_max(largest, s);
   });
+  const float positive_offset = -positive.max * kLog2e;
+  const float negative_offset = -negative.max * kLog2e;
   tile.for_each([&](float z, int r, int c, int k) {
     const float weight = weight_of(r, c);
     if (weight == 0.0f) return;
-    const bool is_positive = positives[k / 32] >> k % 32 & 1u;
-    const float largest = is_positive ? positive.max : negative.max;
-    (is_positive ? positive.sum : negative.sum) += z == largest ? weight : weight * __expf(z - largest);
+    const bool in_positive = is_positive(k);
+    const float largest = in_positive ? positive.max : negative.max;
+    // z == largest: exactly 1, also where both are infinite.
+    const float term = z == largest
+        ? weight
+        : weight * fast_exp2(fmaf(z, kLog2e, in_positive ? positive_offset : negative_offset));
+    (in_positive ? positive.sum : negative.sum) += term;
   });
 }
 

@@ -230,10 +230,18 @@ __device__ __forceinline__ void warpgroup_fence() {
 #endif
 }
 
-// Closes the wgmma issued so far into a group, then waits for all of them.
-__device__ __forceinline__ void warpgroup_commit_and_wait() {
+// Closes the wgmma issued so far into a group.
+__device__ __forceinline__ void warpgroup_commit() {
 #if defined(CIRCLE_LOSS_WARPGROUP_MMA)
-  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most kPending of the warpgroup's groups are in flight.
+template <int kPending>
+__device__ __forceinline__ void warpgroup_wait() {
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 #endif
 }
 
@@ -245,7 +253,8 @@ __device__ __forceinline__ void fence_copies_for_mma() {
 #endif
 }
 
-// One stage's kMmaK features of the products, 16 at a time.
+// One stage's kMmaK features of the products, 16 at a time. With wgmma they
+// are only issued, as one group: warpgroup_wait says when they are done.
 template <typename T>
 __device__ __forceinline__ void multiply_stage(TileAccumulators& tile, const T* row_stage, const T* col_stage) {
 #if defined(CIRCLE_LOSS_WARPGROUP_MMA)
@@ -258,7 +267,7 @@ __device__ __forceinline__ void multiply_stage(TileAccumulators& tile, const T* 
   for (int kk = 0; kk < kMmaK / 16; ++kk) {
     warpgroup_mma_64x128x16<T>(tile.acc, stage_descriptor(rows + kk * 32), stage_descriptor(cols + kk * 32));
   }
-  warpgroup_commit_and_wait();
+  warpgroup_commit();
 #else
   const int lane = threadIdx.x % 32;
   const int warp_row = threadIdx.x / 32 / (kMmaTile / kWarpCols) * kWarpRows;
@@ -323,17 +332,29 @@ __device__ __forceinline__ void multiply_tile(
   for (int64_t step = 0; step < steps; ++step) {
     wait_copies<kMmaStages - 2>(); // this step's stage has landed
     fence_copies_for_mma();
+    const int s = static_cast<int>(step % kMmaStages);
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
+    // The stage's products run while the stage the previous step read is
+    // refilled, once every warpgroup's products of it are done.
+    __syncthreads(); // ... for every thread
+    multiply_stage<T>(tile, row_stage(s), col_stage(s));
+    warpgroup_wait<1>();
+    __syncthreads();
+#else
     __syncthreads(); // ... for every thread, and the stage refilled below is no longer read
+#endif
     const int64_t next = step + kMmaStages - 1;
     if (next < steps) {
-      const int s = static_cast<int>(next % kMmaStages);
-      load_stage(row_stage(s), in.rows, in.n_rows, in.dim, row0, next * kMmaK);
-      load_stage(col_stage(s), in.cols, in.n_cols, in.dim, col0, next * kMmaK);
+      const int refill = static_cast<int>(next % kMmaStages);
+      load_stage(row_stage(refill), in.rows, in.n_rows, in.dim, row0, next * kMmaK);
+      load_stage(col_stage(refill), in.cols, in.n_cols, in.dim, col0, next * kMmaK);
     }
     commit_copies();
-    const int s = static_cast<int>(step % kMmaStages);
+#if !defined(CIRCLE_LOSS_WARPGROUP_MMA)
     multiply_stage<T>(tile, row_stage(s), col_stage(s));
+#endif
   }
+  warpgroup_wait<0>();
   wait_copies<0>();
 }
 
