@@ -128,29 +128,51 @@ __device__ __forceinline__ int swizzled_offset(int row, int chunk) {
   return row * kMmaK * 2 + ((chunk ^ (row % kChunksPerRow)) * 16);
 }
 
-// Stage operand ← features[first, first + kMmaTile) × [k0, k0 + kMmaK).
+// One thread's share of filling a stage operand with features[first, first
+// + kMmaTile) × [k0, k0 + kMmaK): kCopies 16-byte chunks, all in the same
+// column of chunks and kRowStep rows apart, so that what a stage's copies
+// need beyond k0 (their offsets, which rows exist, where they land) is worked
+// out once a tile rather than at every stage.
 template <typename T>
-__device__ __forceinline__ void load_stage(
-    T* stage, // (kMmaTile, kMmaK), swizzled
-    const T* __restrict__ features, // (n, dim)
-    int64_t n,
-    int64_t dim,
-    int64_t first,
-    int64_t k0) {
-  constexpr int kChunks = kMmaTile * kChunksPerRow;
-  static_assert(kChunks % kMmaThreads == 0, "whole chunks a thread");
+struct StageCopies {
+  static constexpr int kCopies = kMmaTile * kChunksPerRow / kMmaThreads;
+  static constexpr int kRowStep = kMmaThreads / kChunksPerRow;
+  static_assert(kMmaThreads % kChunksPerRow == 0 && kRowStep % kChunksPerRow == 0,
+                "a thread's copies share their column of chunks and their swizzle");
+
+  const T* features; // (n, dim)
+  int64_t dim;
+  int64_t offset; // of the first copy's chunk at k0 = 0
+  int64_t row_step; // kRowStep rows
+  int feature; // the chunk's first feature within a stage
+  uint32_t inside_rows; // bit u: copy u's row is one of the n
+  int target; // byte offset of the first copy within the operand
+
+  __device__ __forceinline__ StageCopies(const T* features_, int64_t n, int64_t dim_, int64_t first)
+      : features(features_), dim(dim_) {
+    const int row = threadIdx.x / kChunksPerRow;
+    const int chunk = threadIdx.x % kChunksPerRow;
+    feature = chunk * 8;
+    offset = (first + row) * dim + feature;
+    row_step = kRowStep * dim;
+    inside_rows = 0;
 #pragma unroll
-  for (int u = 0; u < kChunks / kMmaThreads; ++u) {
-    const int q = threadIdx.x + u * kMmaThreads;
-    const int row = q / kChunksPerRow;
-    const int chunk = q % kChunksPerRow;
-    const int64_t r = first + row;
-    const int64_t k = k0 + chunk * 8;
-    const bool valid = r < n && k < dim;
-    const T* src = valid ? features + r * dim + k : features;
-    copy_16(reinterpret_cast<char*>(stage) + swizzled_offset(row, chunk), src, valid);
+    for (int u = 0; u < kCopies; ++u) inside_rows |= static_cast<uint32_t>(first + row + u * kRowStep < n) << u;
+    target = swizzled_offset(row, chunk);
   }
-}
+
+  // Issues the copies of features [k0, k0 + kMmaK) into `stage`, swizzled;
+  // zeros past the rows' and the features' ends.
+  __device__ __forceinline__ void issue(T* stage, int64_t k0) const {
+    const bool inside_features = k0 + feature < dim;
+#pragma unroll
+    for (int u = 0; u < kCopies; ++u) {
+      const bool inside = inside_features && (inside_rows >> u & 1u) != 0u;
+      copy_16(reinterpret_cast<char*>(stage) + target + u * kRowStep * kMmaK * 2,
+              features + (inside ? offset + u * row_step + k0 : 0), inside);
+    }
+  }
+};
 
 // Four 8×8 matrices of 16-bit values from shared memory, one register each.
 __device__ __forceinline__ void load_matrices(uint32_t (&out)[4], uint32_t address) {
@@ -320,24 +342,28 @@ __device__ __forceinline__ void multiply_tile(
   tile.for_each([](float& s, int, int, int) { s = 0.0f; });
   const auto row_stage = [&](int s) { return shared + s * 2 * kStageElements; };
   const auto col_stage = [&](int s) { return shared + s * 2 * kStageElements + kStageElements; };
+  const StageCopies<T> row_copies(in.rows, in.n_rows, in.dim, row0);
+  const StageCopies<T> col_copies(in.cols, in.n_cols, in.dim, col0);
   const int64_t steps = (in.dim + kMmaK - 1) / kMmaK;
 #pragma unroll
   for (int s = 0; s < kMmaStages - 1; ++s) {
     if (s < steps) {
-      load_stage(row_stage(s), in.rows, in.n_rows, in.dim, row0, s * kMmaK);
-      load_stage(col_stage(s), in.cols, in.n_cols, in.dim, col0, s * kMmaK);
+      row_copies.issue(row_stage(s), s * kMmaK);
+      col_copies.issue(col_stage(s), s * kMmaK);
     }
     commit_copies(); // empty groups keep the count that wait_copies relies on
   }
+  const auto following = [](int s) { return s + 1 == kMmaStages ? 0 : s + 1; };
+  int read = 0; // step % kMmaStages
+  int refill = kMmaStages - 1; // (step + kMmaStages - 1) % kMmaStages
   for (int64_t step = 0; step < steps; ++step) {
     wait_copies<kMmaStages - 2>(); // this step's stage has landed
     fence_copies_for_mma();
-    const int s = static_cast<int>(step % kMmaStages);
 #if defined(CIRCLE_LOSS_WARPGROUP_MMA)
     // The stage's products run while the stage the previous step read is
     // refilled, once every warpgroup's products of it are done.
     __syncthreads(); // ... for every thread
-    multiply_stage<T>(tile, row_stage(s), col_stage(s));
+    multiply_stage<T>(tile, row_stage(read), col_stage(read));
     warpgroup_wait<1>();
     __syncthreads();
 #else
@@ -345,14 +371,15 @@ __device__ __forceinline__ void multiply_tile(
 #endif
     const int64_t next = step + kMmaStages - 1;
     if (next < steps) {
-      const int refill = static_cast<int>(next % kMmaStages);
-      load_stage(row_stage(refill), in.rows, in.n_rows, in.dim, row0, next * kMmaK);
-      load_stage(col_stage(refill), in.cols, in.n_cols, in.dim, col0, next * kMmaK);
+      row_copies.issue(row_stage(refill), next * kMmaK);
+      col_copies.issue(col_stage(refill), next * kMmaK);
     }
     commit_copies();
 #if !defined(CIRCLE_LOSS_WARPGROUP_MMA)
-    multiply_stage<T>(tile, row_stage(s), col_stage(s));
+    multiply_stage<T>(tile, row_stage(read), col_stage(read));
 #endif
+    read = following(read);
+    refill = following(refill);
   }
   warpgroup_wait<0>();
   wait_copies<0>();
