@@ -2,7 +2,9 @@
 // autograd Functions at the Autograd key that redispatch below autograd, so
 // eager mode, TorchScript, AOTAutograd (torch.compile, torch.export) and
 // compiled autograd all see the same registered ops: _loss_with_grad forward
-// and _loss_backward backward; _anchor_loss_forward and _anchor_loss_backward.
+// and _loss_backward backward; _anchor_loss_forward and _anchor_loss_backward,
+// or, against references that need no gradient, _anchor_loss_with_row_grads
+// forward and a rescale backward.
 #include "circle_loss.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -183,6 +185,58 @@ class AnchorLossFunction : public torch::autograd::Function<AnchorLossFunction> 
   }
 };
 
+std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_below_autograd(
+    const at::Tensor& features,
+    const at::Tensor& labels,
+    const at::Tensor& ref_features,
+    const at::Tensor& ref_labels,
+    double margin,
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("circle::_anchor_loss_with_row_grads", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
+                           const std::optional<at::Tensor>&)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+}
+
+// circle::anchor_loss against references that need no gradient (a memory
+// bank): L_i depends on features_i alone, so the forward makes each row's
+// dL_i/dfeatures_i with the losses, and the backward scales row i by g_i.
+class AnchorLossRowGradsFunction : public torch::autograd::Function<AnchorLossRowGradsFunction> {
+ public:
+  static constexpr bool is_traceable = true;
+
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& features, // (B, D)
+      const at::Tensor& labels, // (B,)
+      const at::Tensor& ref_features, // (M, D), no gradient
+      const at::Tensor& ref_labels, // (M,)
+      double margin,
+      double gamma,
+      const std::optional<at::Tensor>& ref_self_index) { // (B,)?
+    auto [losses, row_grads] = anchor_loss_with_row_grads_below_autograd(
+        features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+    ctx->save_for_backward({row_grads});
+    ctx->saved_data["dtype"] = features.scalar_type();
+    return losses;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    TORCH_CHECK(
+        !at::GradMode::is_enabled(),
+        "circle::anchor_loss does not support double backward: its gradient is computed in the forward pass "
+        "and is not differentiable again. Call backward or torch.autograd.grad without create_graph=True.");
+    const at::Tensor row_grads = ctx->get_saved_variables()[0]; // (B, D)
+    const at::Tensor g = grad_outputs[0].to(row_grads.scalar_type()).unsqueeze(1); // (B, 1)
+    return {at::mul(row_grads, g).to(ctx->saved_data["dtype"].toScalarType()),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 at::Tensor anchor_loss_autograd(
     const at::Tensor& features, // (B, D)
     const at::Tensor& labels, // (B,)
@@ -197,6 +251,9 @@ at::Tensor anchor_loss_autograd(
       !features._fw_grad(/*level=*/0).defined() && !(has_ref && ref_features->_fw_grad(/*level=*/0).defined()),
       "circle::anchor_loss does not support forward-mode AD (torch.func.jvp, jacfwd, dual tensors): "
       "use reverse mode (backward, torch.autograd.grad, torch.func.grad or jacrev)");
+  if (at::GradMode::is_enabled() && has_ref && features.requires_grad() && !ref_features->requires_grad()) {
+    return AnchorLossRowGradsFunction::apply(features, labels, *ref_features, *ref_labels, margin, gamma, ref_self_index);
+  }
   if (at::GradMode::is_enabled() && (features.requires_grad() || (has_ref && ref_features->requires_grad()))) {
     return AnchorLossFunction::apply(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   }

@@ -104,12 +104,27 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_meta(
                           : at::empty_symint({0, features.sym_size(1)}, features.options())};
 }
 
+std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_meta(
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const at::Tensor& ref_features, // (M, D)
+    const at::Tensor& ref_labels, // (M,)
+    double margin,
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+  return {
+      at::empty_symint({features.sym_size(0)}, features.options()),
+      at::empty_symint(features.sym_sizes(), features.options().dtype(at::toOpMathType(features.scalar_type())))};
+}
+
 } // namespace
 
 TORCH_LIBRARY_IMPL(circle, Meta, m) {
   m.impl("anchor_loss", &anchor_loss_meta);
   m.impl("_anchor_loss_forward", &anchor_loss_forward_meta);
   m.impl("_anchor_loss_backward", &anchor_loss_backward_meta);
+  m.impl("_anchor_loss_with_row_grads", &anchor_loss_with_row_grads_meta);
   m.impl("loss", &loss_meta);
   m.impl("_loss_with_grad", &loss_with_grad_meta);
   m.impl("_lse_partials", &lse_partials_meta);

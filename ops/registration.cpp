@@ -20,7 +20,7 @@ TORCH_LIBRARY(circle, m) {
   // copy (a memory bank's), whose pair is left out; an index outside [0, M)
   // leaves none out. Kernels: CPU, CUDA and Meta compute the losses alone;
   // the Autograd kernel routes through _anchor_loss_forward and
-  // _anchor_loss_backward.
+  // _anchor_loss_backward, or _anchor_loss_with_row_grads.
   m.def(
       "anchor_loss(Tensor features, Tensor labels, Tensor? ref_features=None, Tensor? ref_labels=None, float margin=0.4, float gamma=80.0, Tensor? ref_self_index=None) -> Tensor");
   // -> (losses (B,), row_lse (B, 2)): each row's (LSE_P, LSE_N) in the
@@ -32,6 +32,13 @@ TORCH_LIBRARY(circle, m) {
   // (0, D) and not computed), for the incoming gradient grad_losses (B,).
   m.def(
       "_anchor_loss_backward(Tensor grad_losses, Tensor features, Tensor labels, Tensor? ref_features, Tensor? ref_labels, Tensor row_lse, float margin, float gamma, Tensor? ref_self_index=None, bool ref_grad=False) -> (Tensor, Tensor)");
+  // With a reference set that needs no gradient (a memory bank), L_i
+  // depends on row i of features alone, so dL/dfeatures is g_i times a row
+  // that the forward can make from the same strips of S:
+  // -> (losses (B,), row_grads (B, D)): row i is dL_i/dfeatures_i, in the
+  // accumulation dtype; the backward is grad_losses[:, None] · row_grads.
+  m.def(
+      "_anchor_loss_with_row_grads(Tensor features, Tensor labels, Tensor ref_features, Tensor ref_labels, float margin, float gamma, Tensor? ref_self_index=None) -> (Tensor, Tensor)");
 
   // Pieces of the loss over the pairs of two row blocks, for computing it
   // sharded (circle_loss.distributed). Partials are float64 rows

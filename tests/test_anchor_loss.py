@@ -86,6 +86,8 @@ def test_matches_reference(device, batch, dim, classes, refs, dtype):
     ref, ref_labels = make_reference_set(refs, dim, classes, device, dtype)
     weights = torch.rand(batch, device=device, dtype=dtype)  # the incoming gradient is a vector
     assert_anchor_matches_reference(features, labels, ref, ref_labels, weights=weights)
+    if ref is not None:  # references that need no gradient: row gradients made in the forward
+        assert_anchor_matches_reference(features, labels, ref, ref_labels, weights=weights, ref_grad=False)
 
 
 @pytest.mark.parametrize("margin,gamma", [(0.25, 256.0), (0.1, 16.0), (0.4, -3.0), (0.0, 0.0)])
@@ -179,6 +181,8 @@ def test_rows_with_an_empty_set_give_zero(device, layout):
         ref_labels = ref_labels + 1  # every pair negative: no row has a positive
         losses, grad_q, grad_r = run_anchor(features, labels, ref, ref_labels)
         assert torch.equal(grad_r, torch.zeros_like(grad_r))
+        _, detached_grad_q, _ = run_anchor(features, labels, ref, ref_labels, ref_grad=False)
+        assert torch.equal(detached_grad_q, torch.zeros_like(grad_q))
     else:
         losses, grad_q, _ = run_anchor(features, labels)
         assert_anchor_matches_reference(features, labels)
@@ -197,6 +201,12 @@ def test_empty_inputs(device):
     losses, grad_q, grad_r = run_anchor(features, labels, ref, ref_labels)
     assert torch.equal(losses, torch.zeros(5, device=device)) and grad_r.shape == (0, 8)
     assert torch.equal(grad_q, torch.zeros_like(grad_q))
+    losses, grad_q, _ = run_anchor(features, labels, ref, ref_labels, ref_grad=False)
+    assert torch.equal(losses, torch.zeros(5, device=device)) and torch.equal(grad_q, torch.zeros_like(grad_q))
+    features, labels = make_inputs(0, 8, 1, device)
+    ref, ref_labels = make_inputs(6, 8, 2, device)
+    losses, grad_q, _ = run_anchor(features, labels, ref, ref_labels, ref_grad=False)
+    assert losses.shape == (0,) and grad_q.shape == (0, 8)
 
 
 @pytest.mark.sanitize
@@ -217,7 +227,8 @@ def test_bitwise_deterministic_for_any_thread_count(device):
         torch.set_num_threads(n)
         try:
             results.append(run_anchor(features, labels) + run_anchor(features, labels, ref, ref_labels)
-                           + run_anchor(features[:100], labels[:100], bank, bank_labels))
+                           + run_anchor(features[:100], labels[:100], bank, bank_labels)
+                           + run_anchor(features[:100], labels[:100], bank, bank_labels, ref_grad=False))
         finally:
             torch.set_num_threads(threads)
     for a, b in zip(*results):
@@ -235,6 +246,8 @@ def test_opcheck(device, requires_grad):
         calls = [(features, labels, ref, ref_labels), (features, labels, ref, ref_labels, 0.25, 32.0)]
         if ref is not None:
             calls.append((features, labels, ref, ref_labels, 0.4, 80.0, torch.arange(batch, device=device) % refs))
+            # references that need no gradient, as a memory bank's
+            calls.append((features, labels, ref.detach(), ref_labels, 0.4, 80.0, torch.arange(batch, device=device) % refs))
         for args in calls:
             torch.library.opcheck(torch.ops.circle.anchor_loss.default, args, test_utils=OPCHECK_TESTS)
 
@@ -253,6 +266,8 @@ def test_opcheck_internal_ops(device):
             torch.library.opcheck(torch.ops.circle._anchor_loss_backward.default,
                                   (grad, features, labels, r, rl, row_lse, 0.4, 80.0, index, ref_grad),
                                   test_utils=tests)
+        if r is not None:
+            torch.library.opcheck(torch.ops.circle._anchor_loss_with_row_grads.default, args, test_utils=tests)
 
 
 @pytest.mark.parametrize("ref_grad", [False, True])
@@ -412,6 +427,9 @@ def test_double_backward_and_forward_ad_are_refused(device):
     x = features.clone().requires_grad_()
     with pytest.raises(RuntimeError, match="does not support double backward"):
         torch.autograd.grad(torch.ops.circle.anchor_loss(x, labels).sum(), x, create_graph=True)
+    ref, ref_labels = make_inputs(20, 8, 3, device)
+    with pytest.raises(RuntimeError, match="does not support double backward"):  # the bank's path
+        torch.autograd.grad(torch.ops.circle.anchor_loss(x, labels, ref, ref_labels).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="does not support forward-mode AD"):
         torch.func.jvp(lambda f: torch.ops.circle.anchor_loss(f, labels), (features,), (torch.randn_like(features),))
 

@@ -109,4 +109,5 @@ def test_kernels_record_no_autograd_history(device):
             outputs += [losses, row_lse]
             outputs += torch.ops.circle._anchor_loss_backward(torch.ones_like(losses), q, labels, ref, ref_y, row_lse,
                                                               0.4, 80.0, None, True)
+        outputs += torch.ops.circle._anchor_loss_with_row_grads(q, labels, r, ref_labels, 0.4, 80.0)
     assert not any(out.requires_grad for out in outputs)

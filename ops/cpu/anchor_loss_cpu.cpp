@@ -21,6 +21,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
@@ -456,17 +457,8 @@ AnchorInputs prepare_anchor_inputs(
   return in;
 }
 
-std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_cpu(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const std::optional<at::Tensor>& ref_features, // (M, D)?
-    const std::optional<at::Tensor>& ref_labels, // (M,)?
-    double margin,
-    double gamma,
-    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
-  const NoAutocast no_autocast;
-  const AnchorInputs in = prepare_anchor_inputs(features, labels, ref_features, ref_labels, ref_self_index);
+// (losses (B,) in features' dtype, row_lse (B, 2) in the compute dtype).
+std::tuple<at::Tensor, at::Tensor> anchor_losses(const AnchorInputs& in, const at::Tensor& features, double margin, double gamma) {
   const int64_t batch = features.size(0);
   at::Tensor losses = at::empty({batch}, features.options());
   at::Tensor row_lse = at::empty({batch, 2}, in.q.options());
@@ -490,6 +482,19 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_cpu(
   return {losses, row_lse};
 }
 
+std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_cpu(
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const std::optional<at::Tensor>& ref_features, // (M, D)?
+    const std::optional<at::Tensor>& ref_labels, // (M,)?
+    double margin,
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+  const NoAutocast no_autocast;
+  return anchor_losses(prepare_anchor_inputs(features, labels, ref_features, ref_labels, ref_self_index), features, margin, gamma);
+}
+
 at::Tensor anchor_loss_cpu(
     const at::Tensor& features,
     const at::Tensor& labels,
@@ -501,25 +506,19 @@ at::Tensor anchor_loss_cpu(
   return std::get<0>(anchor_loss_forward_cpu(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index));
 }
 
-std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cpu(
-    const at::Tensor& grad_losses, // (B,)
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const std::optional<at::Tensor>& ref_features, // (M, D)?
-    const std::optional<at::Tensor>& ref_labels, // (M,)?
-    const at::Tensor& row_lse, // (B, 2)
+// (dQ (B, D), dR (M, D) if ref_grad, else (0, D)) in the compute dtype, for
+// the incoming gradient grad_losses (B,).
+std::tuple<at::Tensor, at::Tensor> anchor_gradients(
+    const AnchorInputs& in,
+    const at::Tensor& grad_losses,
+    const at::Tensor& row_lse,
     double margin,
     double gamma,
-    const std::optional<at::Tensor>& ref_self_index, // (B,)?
     bool ref_grad) {
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
-  check_anchor_backward_inputs(grad_losses, features, row_lse);
-  const NoAutocast no_autocast;
-  const AnchorInputs in = prepare_anchor_inputs(features, labels, ref_features, ref_labels, ref_self_index);
-  const int64_t batch = features.size(0);
+  const int64_t batch = in.q.size(0);
   ref_grad = ref_grad && !in.self;
   at::Tensor grad_q = at::zeros_like(in.q);
-  at::Tensor grad_r = ref_grad ? at::zeros_like(in.r) : at::empty({0, features.size(1)}, features.options());
+  at::Tensor grad_r = ref_grad ? at::zeros_like(in.r) : at::empty({0, in.q.size(1)}, in.q.options());
   AT_DISPATCH_FLOATING_TYPES(in.q.scalar_type(), "circle_anchor_loss_backward_cpu", [&] {
     using T = scalar_t;
     const PairLogit<T> logit = pair_logit<T>(margin, gamma);
@@ -588,7 +587,45 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cpu(
       }
     }
   });
+  return {grad_q, grad_r};
+}
+
+std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cpu(
+    const at::Tensor& grad_losses, // (B,)
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const std::optional<at::Tensor>& ref_features, // (M, D)?
+    const std::optional<at::Tensor>& ref_labels, // (M,)?
+    const at::Tensor& row_lse, // (B, 2)
+    double margin,
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index, // (B,)?
+    bool ref_grad) {
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+  check_anchor_backward_inputs(grad_losses, features, row_lse);
+  const NoAutocast no_autocast;
+  const AnchorInputs in = prepare_anchor_inputs(features, labels, ref_features, ref_labels, ref_self_index);
+  const auto [grad_q, grad_r] = anchor_gradients(in, grad_losses, row_lse, margin, gamma, ref_grad);
   return {grad_q.to(features.scalar_type()), grad_r.to(features.scalar_type())};
+}
+
+// Row i of dL/dQ is dL_i/dq_i (the references are another set): the
+// gradient for an incoming gradient of ones. The tiles of S are formed twice,
+// as forward and backward would; the backward is then a rescale.
+std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_cpu(
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const at::Tensor& ref_features, // (M, D)
+    const at::Tensor& ref_labels, // (M,)
+    double margin,
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+  const NoAutocast no_autocast;
+  const AnchorInputs in = prepare_anchor_inputs(features, labels, ref_features, ref_labels, ref_self_index);
+  const auto [losses, row_lse] = anchor_losses(in, features, margin, gamma);
+  const at::Tensor ones = at::ones({features.size(0)}, in.q.options());
+  return {losses, std::get<0>(anchor_gradients(in, ones, row_lse, margin, gamma, /*ref_grad=*/false))};
 }
 
 } // namespace
@@ -597,6 +634,7 @@ TORCH_LIBRARY_IMPL(circle, CPU, m) {
   m.impl("anchor_loss", &anchor_loss_cpu);
   m.impl("_anchor_loss_forward", &anchor_loss_forward_cpu);
   m.impl("_anchor_loss_backward", &anchor_loss_backward_cpu);
+  m.impl("_anchor_loss_with_row_grads", &anchor_loss_with_row_grads_cpu);
 }
 
 } // namespace circle_loss

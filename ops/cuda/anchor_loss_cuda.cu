@@ -175,20 +175,29 @@ __global__ void __launch_bounds__(kThreads) column_states_kernel(
   }
 }
 
-// L_i and (LSE_P(i), LSE_N(i)) of every row, from its state.
+// L_i of every row from its state, and either (LSE_P(i), LSE_N(i)) for the
+// backward or the row's coefficients for an incoming gradient of 1.
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads) finish_rows_kernel(
     const acc_t* __restrict__ states, // (B, 4)
     int64_t batch,
     scalar_t* __restrict__ losses, // (B,)
-    acc_t* __restrict__ row_lse) { // (B, 2)
+    acc_t* __restrict__ row_lse, // (B, 2) or null
+    acc_t* __restrict__ coefficients) { // (B, 3) or null
   const int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
   if (i >= batch) return;
   const PairStates<acc_t> state = PairStates<acc_t>::at(states, i);
   const acc_t lse_positive = state.positive.lse();
   const acc_t lse_negative = state.negative.lse();
-  row_lse[2 * i] = lse_positive;
-  row_lse[2 * i + 1] = lse_negative;
+  if (row_lse != nullptr) {
+    row_lse[2 * i] = lse_positive;
+    row_lse[2 * i + 1] = lse_negative;
+  }
+  if (coefficients != nullptr) {
+    coefficients[3 * i] = lse_positive;
+    coefficients[3 * i + 1] = lse_negative;
+    coefficients[3 * i + 2] = anchor_row_grad_scale(lse_positive, lse_negative);
+  }
   losses[i] = static_cast<scalar_t>(static_cast<acc_t>(anchor_row_loss(lse_positive, lse_negative)));
 }
 
@@ -280,30 +289,42 @@ class AnchorPasses {
 
   // Writes losses (B,) and row_lse (B, 2).
   void forward(at::Tensor& losses, at::Tensor& row_lse) {
-    const auto stream = c10::cuda::getCurrentCUDAStream();
     const int64_t batch = q_.size();
-    at::Tensor states = at::empty({batch, 2, 2}, workspace_.options());
-    states.select(2, 0).fill_(-std::numeric_limits<acc_t>::infinity());
-    states.select(2, 1).fill_(0);
+    at::Tensor states = initial_states();
     acc_t* state = states.data_ptr<acc_t>();
     for (const Strip& strip : strips_) {
-      const at::Tensor s = strip_similarities(q_, r_, strip, workspace_);
-      row_states_kernel<acc_t><<<static_cast<unsigned>(strip.rows), kThreads, 0, stream>>>(
-          s.data_ptr<acc_t>(), strip.cols, strip.col0, row_labels(strip), col_labels(strip), self_, left_out(strip),
-          logit_, state + PairStates<acc_t>::kValues * strip.row0);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      const int64_t beyond = strip.cols - strip.rows; // columns right of the diagonal block
-      if (self_ && beyond > 0) {
-        const auto blocks = static_cast<unsigned>((beyond + kColumnsPerCta - 1) / kColumnsPerCta);
-        column_states_kernel<acc_t><<<blocks, kThreads, 0, stream>>>(
-            s.data_ptr<acc_t>(), strip.rows, strip.cols, strip.rows, row_labels(strip), col_labels(strip), logit_,
-            state + PairStates<acc_t>::kValues * (strip.row0 + strip.rows));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
+      reduce_strip(strip, strip_similarities(q_, r_, strip, workspace_), state);
     }
-    finish_rows_kernel<scalar_t, acc_t><<<blocks_for(batch), kThreads, 0, stream>>>(
-        state, batch, losses.data_ptr<scalar_t>(), row_lse.data_ptr<acc_t>());
+    finish_rows_kernel<scalar_t, acc_t><<<blocks_for(batch), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        state, batch, losses.data_ptr<scalar_t>(), row_lse.data_ptr<acc_t>(), nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+  // With a reference set: writes losses (B,) and row_grads (B, D) in acc_t,
+  // row i = dL_i/dq_i. A strip spans every column, so its rows are finished
+  // once it is reduced, and their weights for an incoming gradient of 1 come
+  // from the same S before the next strip takes the workspace: S is formed
+  // once, where forward and backward form it twice.
+  void forward_with_row_grads(at::Tensor& losses, at::Tensor& row_grads) {
+    TORCH_INTERNAL_ASSERT(!self_);
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t batch = q_.size();
+    at::Tensor states = initial_states();
+    at::Tensor coefficients = at::empty({batch, 3}, workspace_.options());
+    const at::Tensor weight_space = make_weight_space();
+    if (r_.size() == 0) row_grads.zero_();
+    for (const Strip& strip : strips_) {
+      const at::Tensor s = strip_similarities(q_, r_, strip, workspace_);
+      acc_t* state = states.data_ptr<acc_t>() + PairStates<acc_t>::kValues * strip.row0;
+      acc_t* coefficient = coefficients.data_ptr<acc_t>() + 3 * strip.row0;
+      reduce_strip(strip, s, states.data_ptr<acc_t>());
+      finish_rows_kernel<scalar_t, acc_t><<<blocks_for(strip.rows), kThreads, 0, stream>>>(
+          state, strip.rows, losses.data_ptr<scalar_t>() + strip.row0, nullptr, coefficient);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (strip.cols == 0) continue;
+      const at::Tensor weights = launch_weights(strip, s, weight_space, coefficient, nullptr);
+      matmul_into(row_grads.narrow(0, strip.row0, strip.rows), weights, r_.features);
+    }
   }
 
   // (dQ (B, D), dR (M, D) if ref_grad, else (0, D)), in acc_t.
@@ -323,22 +344,14 @@ class AnchorPasses {
       grad_r.zero_();
       return {grad_q, grad_r};
     }
-    // float16/bfloat16 weights feed the tensor cores; wider ones overwrite S.
-    const at::Tensor weight_space =
-        std::is_same_v<scalar_t, acc_t> ? workspace_ : at::empty_like(workspace_, q_.features.options());
+    const at::Tensor weight_space = make_weight_space();
     // Last strip first: a strip writes its own rows before any earlier one
     // adds its mirrored share to them.
     for (auto strip = strips_.rbegin(); strip != strips_.rend(); ++strip) {
       const at::Tensor s = strip_similarities(q_, r_, *strip, workspace_);
-      const at::Tensor weights =
-          weight_space.narrow(0, 0, strip->rows * strip->cols).view({strip->rows, strip->cols});
       const acc_t* coefficient = coefficients.data_ptr<acc_t>();
-      weights_kernel<acc_t, scalar_t><<<strip_grid(*strip, sms_), kThreads, 0, stream>>>(
-          s.data_ptr<acc_t>(), strip->rows, strip->cols, row_labels(*strip), col_labels(*strip), strip->row0,
-          strip->col0, self_, left_out(*strip), logit_, coefficient + 3 * strip->row0,
-          self_ ? coefficient + 3 * strip->col0 : nullptr,
-          weights.data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const at::Tensor weights = launch_weights(
+          *strip, s, weight_space, coefficient + 3 * strip->row0, self_ ? coefficient + 3 * strip->col0 : nullptr);
       const at::Tensor own_rows = q_.features.narrow(0, strip->row0, strip->rows);
       matmul_into(grad_q.narrow(0, strip->row0, strip->rows), weights, r_.features.narrow(0, strip->col0, strip->cols));
       if (self_) {
@@ -357,6 +370,53 @@ class AnchorPasses {
   }
 
  private:
+  // Running states (B, 4) of empty sets.
+  at::Tensor initial_states() const {
+    at::Tensor states = at::empty({q_.size(), 2, 2}, workspace_.options());
+    states.select(2, 0).fill_(-std::numeric_limits<acc_t>::infinity());
+    states.select(2, 1).fill_(0);
+    return states;
+  }
+
+  // Merges the pairs of strip (its S given) into the states (B, 4) of the
+  // rows they belong to.
+  void reduce_strip(const Strip& strip, const at::Tensor& s, acc_t* states) const {
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    row_states_kernel<acc_t><<<static_cast<unsigned>(strip.rows), kThreads, 0, stream>>>(
+        s.data_ptr<acc_t>(), strip.cols, strip.col0, row_labels(strip), col_labels(strip), self_, left_out(strip),
+        logit_, states + PairStates<acc_t>::kValues * strip.row0);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int64_t beyond = strip.cols - strip.rows; // columns right of the diagonal block
+    if (self_ && beyond > 0) {
+      const auto blocks = static_cast<unsigned>((beyond + kColumnsPerCta - 1) / kColumnsPerCta);
+      column_states_kernel<acc_t><<<blocks, kThreads, 0, stream>>>(
+          s.data_ptr<acc_t>(), strip.rows, strip.cols, strip.rows, row_labels(strip), col_labels(strip), logit_,
+          states + PairStates<acc_t>::kValues * (strip.row0 + strip.rows));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+
+  // float16/bfloat16 weights feed the tensor cores; wider ones overwrite S.
+  at::Tensor make_weight_space() const {
+    return std::is_same_v<scalar_t, acc_t> ? workspace_ : at::empty_like(workspace_, q_.features.options());
+  }
+
+  // weights_kernel over strip's S with the rows' coefficients (rows, 3) (and,
+  // without a reference set, the columns'); returns the (rows, cols) weights.
+  at::Tensor launch_weights(
+      const Strip& strip,
+      const at::Tensor& s,
+      const at::Tensor& weight_space,
+      const acc_t* row_coefficients,
+      const acc_t* col_coefficients) const {
+    const at::Tensor weights = weight_space.narrow(0, 0, strip.rows * strip.cols).view({strip.rows, strip.cols});
+    weights_kernel<acc_t, scalar_t><<<strip_grid(strip, sms_), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        s.data_ptr<acc_t>(), strip.rows, strip.cols, row_labels(strip), col_labels(strip), strip.row0, strip.col0,
+        self_, left_out(strip), logit_, row_coefficients, col_coefficients, weights.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return weights;
+  }
+
   const int64_t* row_labels(const Strip& strip) const { return q_.labels.data_ptr<int64_t>() + strip.row0; }
   const int64_t* col_labels(const Strip& strip) const { return r_.labels.data_ptr<int64_t>() + strip.col0; }
   const int64_t* left_out(const Strip& strip) const {
@@ -397,6 +457,32 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_cuda(
     AnchorPasses<scalar_t>(q, r, self, left_out, margin, gamma).forward(losses, row_lse);
   });
   return {losses, row_lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_cuda(
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const at::Tensor& ref_features, // (M, D)
+    const at::Tensor& ref_labels, // (M,)
+    double margin,
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
+  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+  const NoAutocast no_autocast;
+  const c10::cuda::CUDAGuard guard(features.device());
+  const KernelRows q = kernel_rows(features, labels);
+  const KernelRows r = kernel_rows(ref_features, ref_labels);
+  at::Tensor losses = at::empty({q.size()}, features.options());
+  at::Tensor row_grads =
+      at::empty({q.size(), features.size(1)}, features.options().dtype(at::toOpMathType(features.scalar_type())));
+  if (q.size() == 0) {
+    return {losses, row_grads};
+  }
+  const at::Tensor left_out = left_out_columns(ref_self_index);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_anchor_loss_row_grads_cuda", [&] {
+    AnchorPasses<scalar_t>(q, r, /*self=*/false, left_out, margin, gamma).forward_with_row_grads(losses, row_grads);
+  });
+  return {losses, row_grads};
 }
 
 at::Tensor anchor_loss_cuda(
@@ -445,6 +531,7 @@ TORCH_LIBRARY_IMPL(circle, CUDA, m) {
   m.impl("anchor_loss", &anchor_loss_cuda);
   m.impl("_anchor_loss_forward", &anchor_loss_forward_cuda);
   m.impl("_anchor_loss_backward", &anchor_loss_backward_cuda);
+  m.impl("_anchor_loss_with_row_grads", &anchor_loss_with_row_grads_cuda);
 }
 
 } // namespace circle_loss
