@@ -252,13 +252,13 @@ def test_several_strips_edge_cases(layout, dtype):
 
 
 # circle::anchor_loss: strips of S too, with per-row states. Without a
-# reference set B = 4500 gives 8 strips (S from each strip's first row on, the
-# mirrored pairs reduced by column); against M = 140 000 references a strip
-# holds 128 of the 300 rows.
+# reference set B = 4500 gives 2 strips (3 in float64; S from each strip's
+# first row on, the mirrored pairs reduced by column); against M = 140 000
+# references a strip holds 128 of the 300 rows.
 def anchor_loss_and_grads(features, labels, ref=None, ref_labels=None):
     losses = torch.ops.circle.anchor_loss(features, labels, ref, ref_labels)
     weights = torch.linspace(0.5, 1.5, losses.numel(), device=losses.device, dtype=losses.dtype)
-    inputs = [features] if ref is None else [features, ref]
+    inputs = [features] if ref is None or not ref.requires_grad else [features, ref]
     return (losses, *torch.autograd.grad((losses * weights).sum(), inputs))
 
 
@@ -275,25 +275,28 @@ def test_anchor_loss_over_several_strips(dtype, case):
         features, labels = make_inputs(300, 8, 4, "cuda", dtype)
         ref, ref_labels = make_inputs(140_000, 8, 4, "cuda", dtype)
         assert_anchor_matches_reference(features, labels, ref, ref_labels)
+        assert_anchor_matches_reference(features, labels, ref, ref_labels, ref_grad=False)
 
 
-ANCHOR_CASES = {"small": (200, None), "self strips": (4500, None), "reference strips": (300, 140_000)}
+# (B, M or None, whether the references need a gradient)
+ANCHOR_CASES = {"small": (200, None, False), "self strips": (4500, None, False),
+                "reference strips": (300, 140_000, True), "bank strips": (300, 140_000, False)}
 
 
-def anchor_case_inputs(batch, refs):
+def anchor_case_inputs(batch, refs, ref_grad):
     """Features (requiring grad) and labels, and a reference set where refs is given."""
     x, y = make_inputs(batch, 16, 7, "cuda")
     r, ry = make_inputs(refs, 16, 7, "cuda") if refs else (None, None)
     x.requires_grad_()
     if r is not None:
-        r.requires_grad_()
+        r.requires_grad_(ref_grad)
     return x, y, r, ry
 
 
 @pytest.mark.parametrize("case", list(ANCHOR_CASES))
 def test_anchor_loss_graph_capture_and_replay(case):
-    batch, refs = ANCHOR_CASES[case]
-    x, y, r, ry = anchor_case_inputs(batch, refs)
+    batch, refs, ref_grad = ANCHOR_CASES[case]
+    x, y, r, ry = anchor_case_inputs(batch, refs, ref_grad)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -315,8 +318,8 @@ def test_anchor_loss_graph_capture_and_replay(case):
 
 @pytest.mark.parametrize("case", list(ANCHOR_CASES))
 def test_anchor_loss_bitwise_deterministic_across_streams(case):
-    batch, refs = ANCHOR_CASES[case]
-    x, y, r, ry = anchor_case_inputs(batch, refs)
+    batch, refs, ref_grad = ANCHOR_CASES[case]
+    x, y, r, ry = anchor_case_inputs(batch, refs, ref_grad)
     expected = anchor_loss_and_grads(x, y, r, ry)
     for _ in range(3):
         stream = torch.cuda.Stream()

@@ -35,9 +35,15 @@
 namespace circle_loss {
 namespace {
 
-// Merges (positive, negative) into row `row` of the running states (B, 4).
+// Merges (positive, negative) into row `row` of the running states (B, 4),
+// or, on the row's first visit, writes them there.
 template <typename T>
-__device__ __forceinline__ void merge_row_state(T* states, int64_t row, const LseState<T>& positive, const LseState<T>& negative) {
+__device__ __forceinline__ void merge_row_state(
+    T* states, int64_t row, const LseState<T>& positive, const LseState<T>& negative, bool first_visit) {
+  if (first_visit) {
+    PairStates<T>{positive, negative}.store_at(states, row);
+    return;
+  }
   PairStates<T> state = PairStates<T>::at(states, row);
   state.positive.merge(positive.max, positive.sum);
   state.negative.merge(negative.max, negative.sum);
@@ -83,7 +89,8 @@ __device__ __forceinline__ int64_t left_out_column(bool self, const int64_t* lef
   return c >= 0 && c < cols ? c : -1;
 }
 
-// Row r of the strip: merges its pairs' LSE states into states[r].
+// Row r of the strip: merges its pairs' LSE states into states[r] (writes
+// them there on the row's first visit).
 template <typename acc_t>
 __global__ void __launch_bounds__(kThreads) row_states_kernel(
     const acc_t* __restrict__ s, // (rows, cols)
@@ -94,6 +101,7 @@ __global__ void __launch_bounds__(kThreads) row_states_kernel(
     bool self,
     const int64_t* __restrict__ left_out, // (rows,) or null
     PairLogit<acc_t> logit,
+    bool first_visit,
     acc_t* __restrict__ states) { // (rows, 4)
   __shared__ acc_t scratch[2 * kWarps];
   const int64_t r = blockIdx.x;
@@ -118,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) row_states_kernel(
     }
   }
   block_fold<kThreads>(positive, negative, scratch);
-  if (threadIdx.x == 0) merge_row_state(states, r, positive, negative);
+  if (threadIdx.x == 0) merge_row_state(states, r, positive, negative, first_visit);
 }
 
 // Columns [first_col, cols) of a symmetric strip: a CTA takes kColumnsPerCta
@@ -136,6 +144,7 @@ __global__ void __launch_bounds__(kThreads) column_states_kernel(
     const int64_t* __restrict__ row_labels, // (rows,)
     const int64_t* __restrict__ col_labels, // (cols,)
     PairLogit<acc_t> logit,
+    bool first_visit,
     acc_t* __restrict__ states) { // (cols - first_col, 4)
   __shared__ acc_t folded[kWarps][4][kColumnsPerCta];
   const int lane = threadIdx.x % 32;
@@ -171,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) column_states_kernel(
       p.merge(folded[w][0][lane], folded[w][1][lane]);
       n.merge(folded[w][2][lane], folded[w][3][lane]);
     }
-    merge_row_state(states, c - first_col, p, n);
+    merge_row_state(states, c - first_col, p, n, first_visit);
   }
 }
 
@@ -256,13 +265,15 @@ unsigned blocks_for(int64_t n) {
 
 // Without a reference set, strips of S start at their first row, so k strips
 // form (1 + 1/k)/2 of S, and forward plus backward do 2 + 1/k GEMMs' work:
-// at least two strips, however many rows the budget would allow. More strips
-// of a small batch cost more in smaller, slower GEMMs and launches than they
-// save (measured at B = 4096: 1 strip 1.39 ms, 8 strips 1.93-2.07 ms).
+// at least two strips, however many rows the budget would allow, but one for
+// batches whose time goes to launching the kernels rather than to their work
+// (a second strip adds six launches). More strips cost more in smaller,
+// slower GEMMs and launches than they save (bench/NOTES.md).
 constexpr int64_t kSymmetricStrips = 2;
+constexpr int64_t kOneStripBatch = 2048;
 
 int64_t max_strip_height(int64_t batch, bool self) {
-  if (!self) return std::numeric_limits<int64_t>::max();
+  if (!self || batch <= kOneStripBatch) return std::numeric_limits<int64_t>::max();
   const int64_t rows = (batch + kSymmetricStrips - 1) / kSymmetricStrips;
   return std::max<int64_t>((rows + kStripAlign - 1) / kStripAlign * kStripAlign, kStripAlign);
 }
@@ -290,7 +301,7 @@ class AnchorPasses {
   // Writes losses (B,) and row_lse (B, 2).
   void forward(at::Tensor& losses, at::Tensor& row_lse) {
     const int64_t batch = q_.size();
-    at::Tensor states = initial_states();
+    at::Tensor states = at::empty({batch, PairStates<acc_t>::kValues}, workspace_.options());
     acc_t* state = states.data_ptr<acc_t>();
     for (const Strip& strip : strips_) {
       reduce_strip(strip, strip_similarities(q_, r_, strip, workspace_), state);
@@ -309,7 +320,7 @@ class AnchorPasses {
     TORCH_INTERNAL_ASSERT(!self_);
     const auto stream = c10::cuda::getCurrentCUDAStream();
     const int64_t batch = q_.size();
-    at::Tensor states = initial_states();
+    at::Tensor states = at::empty({batch, PairStates<acc_t>::kValues}, workspace_.options());
     at::Tensor coefficients = at::empty({batch, 3}, workspace_.options());
     const at::Tensor weight_space = make_weight_space();
     if (r_.size() == 0) row_grads.zero_();
@@ -370,28 +381,23 @@ class AnchorPasses {
   }
 
  private:
-  // Running states (B, 4) of empty sets.
-  at::Tensor initial_states() const {
-    at::Tensor states = at::empty({q_.size(), 2, 2}, workspace_.options());
-    states.select(2, 0).fill_(-std::numeric_limits<acc_t>::infinity());
-    states.select(2, 1).fill_(0);
-    return states;
-  }
-
-  // Merges the pairs of strip (its S given) into the states (B, 4) of the
-  // rows they belong to.
+  // Merges the pairs of strip (its S given) into the running states (B, 4)
+  // of the rows they belong to. The first strip visits every row first: all
+  // of its own rows' pairs and, without a reference set, the later rows'
+  // pairs with its rows; so the states need no initial value.
   void reduce_strip(const Strip& strip, const at::Tensor& s, acc_t* states) const {
     const auto stream = c10::cuda::getCurrentCUDAStream();
+    const bool first_visit = !self_ || strip.row0 == 0;
     row_states_kernel<acc_t><<<static_cast<unsigned>(strip.rows), kThreads, 0, stream>>>(
         s.data_ptr<acc_t>(), strip.cols, strip.col0, row_labels(strip), col_labels(strip), self_, left_out(strip),
-        logit_, states + PairStates<acc_t>::kValues * strip.row0);
+        logit_, first_visit, states + PairStates<acc_t>::kValues * strip.row0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int64_t beyond = strip.cols - strip.rows; // columns right of the diagonal block
     if (self_ && beyond > 0) {
       const auto blocks = static_cast<unsigned>((beyond + kColumnsPerCta - 1) / kColumnsPerCta);
       column_states_kernel<acc_t><<<blocks, kThreads, 0, stream>>>(
           s.data_ptr<acc_t>(), strip.rows, strip.cols, strip.rows, row_labels(strip), col_labels(strip), logit_,
-          states + PairStates<acc_t>::kValues * (strip.row0 + strip.rows));
+          first_visit, states + PairStates<acc_t>::kValues * (strip.row0 + strip.rows));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
