@@ -131,9 +131,15 @@ __global__ void __launch_bounds__(kThreads) row_states_kernel(
 
 // Columns [first_col, cols) of a symmetric strip: a CTA takes kColumnsPerCta
 // of them, one per lane, so that a warp reads 32 consecutive entries of a row
-// at a time; its warps split the rows, and warp 0 folds the warps' states in
-// warp order and merges them into states[c - first_col].
+// at a time, and a share of the rows (blockIdx.y of gridDim.y, so that a
+// strip of few columns still fills the GPU); its warps split the share's
+// rows, and warp 0 folds the warps' states in warp order. With one share it
+// merges them into states[c - first_col]; with several it writes them to
+// shares[blockIdx.y][c - first_col], for merge_column_shares_kernel.
 constexpr int kColumnsPerCta = 32;
+// Shares of a strip's rows: at most this many, of at least kMinShareRows.
+constexpr int64_t kMaxColumnShares = 8;
+constexpr int64_t kMinShareRows = 128;
 
 template <typename acc_t>
 __global__ void __launch_bounds__(kThreads) column_states_kernel(
@@ -145,27 +151,30 @@ __global__ void __launch_bounds__(kThreads) column_states_kernel(
     const int64_t* __restrict__ col_labels, // (cols,)
     PairLogit<acc_t> logit,
     bool first_visit,
-    acc_t* __restrict__ states) { // (cols - first_col, 4)
+    acc_t* __restrict__ states, // (cols - first_col, 4)
+    acc_t* __restrict__ shares) { // (gridDim.y, cols - first_col, 4): several shares only
   __shared__ acc_t folded[kWarps][4][kColumnsPerCta];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int64_t c = first_col + blockIdx.x * static_cast<int64_t>(kColumnsPerCta) + lane;
   const bool column = c < cols;
   const int64_t label = column ? col_labels[c] : 0;
+  const int64_t share_rows = (rows + gridDim.y - 1) / gridDim.y;
+  const int64_t row_end = std::min(rows, (blockIdx.y + 1) * share_rows);
   LseState<acc_t> positive;
   LseState<acc_t> negative;
-  for (int64_t r0 = warp; r0 < rows; r0 += kLoadsInFlight * kWarps) {
+  for (int64_t r0 = blockIdx.y * share_rows + warp; r0 < row_end; r0 += kLoadsInFlight * kWarps) {
     acc_t value[kLoadsInFlight];
     int64_t other[kLoadsInFlight];
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) {
       const int64_t r = r0 + u * kWarps;
-      value[u] = column && r < rows ? s[r * cols + c] : acc_t(0);
-      other[u] = r < rows ? row_labels[r] : 0;
+      value[u] = column && r < row_end ? s[r * cols + c] : acc_t(0);
+      other[u] = r < row_end ? row_labels[r] : 0;
     }
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) {
-      add_pair(logit, value[u], other[u] == label, !column || r0 + u * kWarps >= rows, positive, negative);
+      add_pair(logit, value[u], other[u] == label, !column || r0 + u * kWarps >= row_end, positive, negative);
     }
   }
   folded[warp][0][lane] = positive.max;
@@ -180,8 +189,33 @@ __global__ void __launch_bounds__(kThreads) column_states_kernel(
       p.merge(folded[w][0][lane], folded[w][1][lane]);
       n.merge(folded[w][2][lane], folded[w][3][lane]);
     }
-    merge_row_state(states, c - first_col, p, n, first_visit);
+    if (gridDim.y == 1) {
+      merge_row_state(states, c - first_col, p, n, first_visit);
+    } else {
+      PairStates<acc_t>{p, n}.store_at(shares, blockIdx.y * (cols - first_col) + (c - first_col));
+    }
   }
+}
+
+// Folds column_states_kernel's shares (n_shares, n, 4) in share order and
+// merges them into states (n, 4), one thread a column.
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads) merge_column_shares_kernel(
+    const acc_t* __restrict__ shares, // (n_shares, n, 4)
+    int64_t n_shares,
+    int64_t n,
+    bool first_visit,
+    acc_t* __restrict__ states) { // (n, 4)
+  const int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  if (i >= n) return;
+  LseState<acc_t> positive;
+  LseState<acc_t> negative;
+  for (int64_t share = 0; share < n_shares; ++share) {
+    const PairStates<acc_t> state = PairStates<acc_t>::at(shares, share * n + i);
+    positive.merge(state.positive.max, state.positive.sum);
+    negative.merge(state.negative.max, state.negative.sum);
+  }
+  merge_row_state(states, i, positive, negative, first_visit);
 }
 
 // L_i of every row from its state, and either (LSE_P(i), LSE_N(i)) for the
@@ -394,11 +428,22 @@ class AnchorPasses {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int64_t beyond = strip.cols - strip.rows; // columns right of the diagonal block
     if (self_ && beyond > 0) {
-      const auto blocks = static_cast<unsigned>((beyond + kColumnsPerCta - 1) / kColumnsPerCta);
-      column_states_kernel<acc_t><<<blocks, kThreads, 0, stream>>>(
-          s.data_ptr<acc_t>(), strip.rows, strip.cols, strip.rows, row_labels(strip), col_labels(strip), logit_,
-          first_visit, states + PairStates<acc_t>::kValues * (strip.row0 + strip.rows));
+      const int64_t blocks = (beyond + kColumnsPerCta - 1) / kColumnsPerCta;
+      const int64_t shares = std::clamp<int64_t>(
+          std::min((2 * sms_ + blocks - 1) / blocks, strip.rows / kMinShareRows), 1, kMaxColumnShares);
+      acc_t* beyond_states = states + PairStates<acc_t>::kValues * (strip.row0 + strip.rows);
+      const at::Tensor share_states =
+          at::empty({shares > 1 ? shares * beyond : 0, PairStates<acc_t>::kValues}, workspace_.options());
+      column_states_kernel<acc_t>
+          <<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(shares)), kThreads, 0, stream>>>(
+              s.data_ptr<acc_t>(), strip.rows, strip.cols, strip.rows, row_labels(strip), col_labels(strip), logit_,
+              first_visit, beyond_states, share_states.data_ptr<acc_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (shares > 1) {
+        merge_column_shares_kernel<acc_t><<<blocks_for(beyond), kThreads, 0, stream>>>(
+            share_states.data_ptr<acc_t>(), shares, beyond, first_visit, beyond_states);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
     }
   }
 
