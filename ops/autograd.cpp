@@ -247,23 +247,45 @@ at::Tensor anchor_loss_autograd(
     const std::optional<at::Tensor>& ref_self_index) { // (B,)?
   check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   const bool has_ref = is_given(ref_features);
+  // Forward-mode AD: against a reference set without a tangent of its own,
+  // L_i depends on features_i alone, and its tangent is <dL_i/dfeatures_i,
+  // tangent_i>, from the row gradients. Elsewhere each loss depends on other
+  // rows of the tangent too, which the kernels do not form.
+  const at::Tensor tangent = features._fw_grad(/*level=*/0);
   TORCH_CHECK(
-      !features._fw_grad(/*level=*/0).defined() && !(has_ref && ref_features->_fw_grad(/*level=*/0).defined()),
-      "circle::anchor_loss does not support forward-mode AD (torch.func.jvp, jacfwd, dual tensors): "
-      "use reverse mode (backward, torch.autograd.grad, torch.func.grad or jacrev)");
-  if (at::GradMode::is_enabled() && has_ref && features.requires_grad() && !ref_features->requires_grad()) {
-    return AnchorLossRowGradsFunction::apply(features, labels, *ref_features, *ref_labels, margin, gamma, ref_self_index);
+      !(has_ref && ref_features->_fw_grad(/*level=*/0).defined()) && (has_ref || !tangent.defined()),
+      "circle::anchor_loss does not support forward-mode AD (torch.func.jvp, jacfwd, dual tensors) without a "
+      "reference set or with a tangent of ref_features: only a tangent of features against references without one. "
+      "Use reverse mode (backward, torch.autograd.grad, torch.func.grad or jacrev) there.");
+  const at::Tensor primal = tangent.defined() ? features._fw_primal(/*level=*/0) : features;
+  const bool grad_mode = at::GradMode::is_enabled();
+  at::Tensor losses;
+  at::Tensor row_grads;
+  if (grad_mode && has_ref && features.requires_grad() && !ref_features->requires_grad()) {
+    losses = AnchorLossRowGradsFunction::apply(primal, labels, *ref_features, *ref_labels, margin, gamma, ref_self_index);
+  } else if (grad_mode && (features.requires_grad() || (has_ref && ref_features->requires_grad()))) {
+    losses = AnchorLossFunction::apply(primal, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+  } else if (tangent.defined()) {
+    std::tie(losses, row_grads) = anchor_loss_with_row_grads_below_autograd(
+        primal, labels, *ref_features, *ref_labels, margin, gamma, ref_self_index);
+  } else {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("circle::anchor_loss", "")
+                         .typed<at::Tensor(
+                             const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                             const std::optional<at::Tensor>&, double, double, const std::optional<at::Tensor>&)>();
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return op.call(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   }
-  if (at::GradMode::is_enabled() && (features.requires_grad() || (has_ref && ref_features->requires_grad()))) {
-    return AnchorLossFunction::apply(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+  if (tangent.defined()) {
+    if (!row_grads.defined()) {
+      row_grads = std::get<1>(anchor_loss_with_row_grads_below_autograd(
+          primal, labels, *ref_features, *ref_labels, margin, gamma, ref_self_index));
+    }
+    const at::Tensor directional = at::sum(at::mul(row_grads, tangent.to(row_grads.scalar_type())), {1});
+    losses._set_fw_grad(directional.to(losses.scalar_type()), /*level=*/0, /*is_inplace_op=*/false);
   }
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("circle::anchor_loss", "")
-                       .typed<at::Tensor(
-                           const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                           const std::optional<at::Tensor>&, double, double, const std::optional<at::Tensor>&)>();
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return op.call(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+  return losses;
 }
 
 at::Tensor loss_backward(

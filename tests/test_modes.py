@@ -1,5 +1,5 @@
-"""circle::loss in PyTorch's other modes: autocast, forward-mode AD, and
-values at the edge of the float range. Each gives the right answer or a
+"""circle::loss (and circle::anchor_loss) in PyTorch's other modes: autocast,
+forward-mode AD, and values at the edge of the float range. Each gives the right answer or a
 clear error, never a crash or a silent zero."""
 
 import pytest
@@ -8,7 +8,13 @@ from torch.autograd import forward_ad as fwAD
 
 import circle_loss
 from conftest import make_inputs
-from reference import TOLERANCE, circle_loss_reference, reference_loss_and_grad, relative_error
+from reference import (
+    TOLERANCE,
+    anchor_reference_and_grads,
+    circle_loss_reference,
+    reference_loss_and_grad,
+    relative_error,
+)
 
 AUTOCAST_DTYPES = [torch.bfloat16, torch.float16]
 FEATURE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -70,6 +76,33 @@ def test_forward_mode_ad_gives_the_directional_derivative(device, dtype):
         assert relative_error(fwAD.unpack_dual(loss).tangent, expected) <= tol
         loss.backward()
     assert relative_error(x.grad, ref_grad) <= TOLERANCE[dtype][1] * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_anchor_forward_mode_ad_against_a_reference_set(device, dtype):
+    # Each L_i depends on row i alone: its tangent is <dL_i/dq_i, tangent_i>.
+    features, labels = make_inputs(60, 16, 5, device, dtype)
+    bank, bank_labels = make_inputs(90, 16, 5, device, dtype)
+    copies = torch.arange(60, device=device) + 20  # the bank's rows 20..79 as the anchors' own copies
+    tangent = torch.randn_like(features)
+    _, row_grads, _ = anchor_reference_and_grads(features, labels, bank, bank_labels, ref_self_index=copies)
+    expected = (row_grads * tangent.double()).sum(1)
+    tol = 10 * TOLERANCE[dtype][1]
+    op = lambda f: torch.ops.circle.anchor_loss(f, labels, bank, bank_labels, 0.4, 80.0, copies)  # noqa: E731
+
+    _, jvp = torch.func.jvp(op, (features,), (tangent,))
+    assert jvp.dtype == dtype and relative_error(jvp, expected) <= tol
+    jacobian = torch.func.jacfwd(op)(features)  # (B, B, D): row i's gradient on the diagonal block
+    assert relative_error(jacobian, torch.diag_embed(row_grads.T).permute(1, 2, 0)) <= tol
+    with fwAD.dual_level():
+        x = features.clone().requires_grad_()  # forward and reverse mode together
+        losses = op(fwAD.make_dual(x, tangent))
+        assert relative_error(fwAD.unpack_dual(losses).tangent, expected) <= tol
+        losses.sum().backward()
+    assert relative_error(x.grad, row_grads) <= TOLERANCE[dtype][1] * 4
+    with pytest.raises(RuntimeError, match="does not support forward-mode AD"):  # a tangent of the references
+        torch.func.jvp(lambda r: torch.ops.circle.anchor_loss(features, labels, r, bank_labels), (bank,),
+                       (torch.randn_like(bank),))
 
 
 def test_overflowing_logits_give_inf_as_the_reference_does(device):
