@@ -296,6 +296,35 @@ def test_torch_compile_with_self_index(device, ref_grad):
             assert bank_comp.grad is None
 
 
+@pytest.mark.parametrize("case", ["self", "reference", "bank"])
+def test_compiled_autograd(device, case):
+    # Both autograd Functions are traceable: compiled autograd runs their
+    # backward in its graph. "bank": references that need no gradient.
+    torch._dynamo.reset()
+    features, labels = make_inputs(90, 16, 6, device)
+    ref, ref_labels = make_inputs(70, 16, 6, device)
+    weights = torch.linspace(0.5, 1.5, 90, device=device)
+
+    def grads(compiled):
+        x = features.clone().requires_grad_()
+        r = ref.clone().requires_grad_(case == "reference")
+        args = (x, labels) if case == "self" else (x, labels, r, ref_labels)
+        loss = (torch.ops.circle.anchor_loss(*args) * weights).sum()
+        if compiled:
+            with torch._dynamo.compiled_autograd._enable(torch.compile(fullgraph=True)):
+                loss.backward()
+        else:
+            loss.backward()
+        return x.grad, r.grad
+
+    (x_eager, r_eager), (x_comp, r_comp) = grads(False), grads(True)
+    torch.testing.assert_close(x_comp, x_eager)
+    if case == "reference":
+        torch.testing.assert_close(r_comp, r_eager)
+    else:
+        assert r_comp is None
+
+
 @pytest.mark.parametrize("with_ref", [False, True])
 def test_torch_compile_fullgraph_dynamic(device, with_ref):
     torch._dynamo.reset()
