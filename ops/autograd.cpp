@@ -221,7 +221,6 @@ class AnchorLossRowGradsFunction : public torch::autograd::Function<AnchorLossRo
     auto [losses, row_grads] = anchor_loss_with_row_grads_below_autograd(
         features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
     ctx->save_for_backward({row_grads});
-    ctx->saved_data["dtype"] = features.scalar_type();
     return losses;
   }
 
@@ -230,9 +229,10 @@ class AnchorLossRowGradsFunction : public torch::autograd::Function<AnchorLossRo
         !at::GradMode::is_enabled(),
         "circle::anchor_loss does not support double backward: its gradient is computed in the forward pass "
         "and is not differentiable again. Call backward or torch.autograd.grad without create_graph=True.");
-    const at::Tensor row_grads = ctx->get_saved_variables()[0]; // (B, D)
-    const at::Tensor g = grad_outputs[0].to(row_grads.scalar_type()).unsqueeze(1); // (B, 1)
-    return {at::mul(row_grads, g).to(ctx->saved_data["dtype"].toScalarType()),
+    const at::Tensor row_grads = ctx->get_saved_variables()[0]; // (B, D) in the accumulation dtype
+    const at::Tensor& grad_losses = grad_outputs[0]; // (B,) in the losses' dtype, which is features'
+    const at::Tensor g = grad_losses.to(row_grads.scalar_type()).unsqueeze(1); // (B, 1)
+    return {at::mul(row_grads, g).to(grad_losses.scalar_type()),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
