@@ -92,15 +92,21 @@ struct PairTile {
         rows(row_features.size(0)),
         cols(col_features.size(0)) {
     const int64_t n_rows = rows, n_cols = cols;
+    T* zs = logits.data_ptr<T>();
+    const int32_t* __restrict__ x = row_ids;
     const int32_t* __restrict__ y = col_ids;
-    for (int64_t i = 0; i < n_rows; ++i) {
-      T* __restrict__ zi = logits.data_ptr<T>() + i * n_cols;
-      const int32_t yi = row_ids[i];
-      for (int64_t j = 0; j < n_cols; ++j) {
-        T slope;
-        zi[j] = logit(zi[j], yi == y[j], &slope);
+    const PairLogit<T> pair = logit;
+    run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
+      for (int64_t i = 0; i < n_rows; ++i) {
+        T* __restrict__ zi = zs + i * n_cols;
+        const int32_t yi = x[i];
+#pragma omp simd
+        for (int64_t j = 0; j < n_cols; ++j) {
+          T slope;
+          zi[j] = pair(zi[j], yi == y[j], &slope);
+        }
       }
-    }
+    });
     left_out.for_each_in(origin.row0, n_rows, origin.col0, n_cols, [&](int64_t r, int64_t c) {
       logits.data_ptr<T>()[r * n_cols + c] = -std::numeric_limits<T>::infinity();
     });
@@ -124,104 +130,104 @@ inline void for_each_lane(int64_t n_cols, const Step& step) {
   for (int64_t k = 0; j0 + k < n_cols; ++k) step(k, j0 + k);
 }
 
-// exp(z - m) with m the max of z's set; 0 for z = -inf. As max_ratio: a
-// logit equal to its set's max gives exp(0), +inf too.
+// The argument of exp(z - m), m the max of z's set, that gives 0 for z = -inf
+// and, as max_ratio, exp(0) for a logit equal to its set's max, +inf too.
 template <typename T>
 inline T shifted_argument(T z, T m) {
-  // Three selects in a row, which the compiler keeps as vector blends (a
+  // Two selects in a row, which the compiler keeps as vector blends (a
   // nested conditional becomes control flow and a scalar loop).
-  T d = exp_argument(z - m);
-  d = z == m ? T(0) : d;
+  T d = z == m ? T(0) : z - m;
   d = z == -std::numeric_limits<T>::infinity() ? z : d;
   return d;
 }
 
 // Merges the tile's LSE states into its rows' (row_states[0, R)) and, with
-// kColumns, its columns' (col_states[0, C)), in three passes over the tile
-// that serve both: the maxima, then every exp(z - max) into one buffer for
-// one exp call, then the sums of that buffer.
+// kColumns, its columns' (col_states[0, C)), in two passes over the tile
+// that serve both: the maxima, then the sums of exp(z - max).
 template <bool kColumns, typename T>
 void merge_tile_states(const PairTile<T>& tile, PairStates<double>* row_states, PairStates<double>* col_states) {
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   const int64_t n_rows = tile.rows, n_cols = tile.cols;
-  const int32_t* __restrict__ y = tile.col_ids;
-  const T* zs = tile.logits.template data_ptr<T>();
-  std::vector<T> row_max_pos(n_rows), row_max_neg(n_rows);
+  std::vector<T> row_max_pos_v(n_rows), row_max_neg_v(n_rows);
+  std::vector<double> row_sum_pos_v(n_rows), row_sum_neg_v(n_rows);
   std::vector<T> col_max_pos_v(kColumns ? n_cols : 0, kNegInf), col_max_neg_v(kColumns ? n_cols : 0, kNegInf);
+  std::vector<T> col_sum_pos_v(kColumns ? n_cols : 0, T(0)), col_sum_neg_v(kColumns ? n_cols : 0, T(0));
+  std::vector<T> row_terms_v(n_cols);
+  T* __restrict__ row_max_pos = row_max_pos_v.data();
+  T* __restrict__ row_max_neg = row_max_neg_v.data();
+  double* __restrict__ row_sum_pos = row_sum_pos_v.data();
+  double* __restrict__ row_sum_neg = row_sum_neg_v.data();
   T* __restrict__ col_max_pos = col_max_pos_v.data();
   T* __restrict__ col_max_neg = col_max_neg_v.data();
-  for (int64_t i = 0; i < n_rows; ++i) {
-    const T* __restrict__ zi = zs + i * n_cols;
-    const int32_t yi = tile.row_ids[i];
-    T lane_pos[kLanes], lane_neg[kLanes];
-    std::fill(lane_pos, lane_pos + kLanes, kNegInf);
-    std::fill(lane_neg, lane_neg + kLanes, kNegInf);
-    for_each_lane(n_cols, [&](int64_t k, int64_t j) {
-      const bool positive = yi == y[j];
-      const T v_pos = positive ? zi[j] : kNegInf;
-      const T v_neg = positive ? kNegInf : zi[j];
-      const T max_pos = lane_pos[k], max_neg = lane_neg[k];
-      lane_pos[k] = tile_max(v_pos, max_pos);
-      lane_neg[k] = tile_max(v_neg, max_neg);
-      if constexpr (kColumns) {
-        const T old_pos = col_max_pos[j], old_neg = col_max_neg[j];
-        col_max_pos[j] = tile_max(v_pos, old_pos);
-        col_max_neg[j] = tile_max(v_neg, old_neg);
-      }
-    });
-    T m_pos = kNegInf, m_neg = kNegInf;
-    for (int64_t k = 0; k < kLanes; ++k) {
-      m_pos = tile_max(lane_pos[k], m_pos);
-      m_neg = tile_max(lane_neg[k], m_neg);
-    }
-    row_max_pos[i] = m_pos;
-    row_max_neg[i] = m_neg;
-  }
-  // [0]: exp(z - its row's max); [1], with kColumns: exp(z - its column's max)
-  const at::Tensor shifted = at::empty({kColumns ? 2 : 1, n_rows, n_cols}, tile.logits.options());
-  T* by_row = shifted.data_ptr<T>();
-  T* by_col = by_row + n_rows * n_cols;
-  for (int64_t i = 0; i < n_rows; ++i) {
-    const T* __restrict__ zi = zs + i * n_cols;
-    T* __restrict__ ri = by_row + i * n_cols;
-    T* __restrict__ ci = by_col + i * n_cols;
-    const int32_t yi = tile.row_ids[i];
-    const T row_pos = row_max_pos[i], row_neg = row_max_neg[i];
-    for (int64_t j = 0; j < n_cols; ++j) {
-      const bool positive = yi == y[j];
-      ri[j] = shifted_argument(zi[j], positive ? row_pos : row_neg);
-      if constexpr (kColumns) {
-        const T pos = col_max_pos[j], neg = col_max_neg[j];
-        ci[j] = shifted_argument(zi[j], positive ? pos : neg);
-      }
-    }
-  }
-  shifted.exp_(); // ATen's vectorised exp
-  std::vector<T> col_sum_pos_v(kColumns ? n_cols : 0, T(0)), col_sum_neg_v(kColumns ? n_cols : 0, T(0));
   T* __restrict__ col_sum_pos = col_sum_pos_v.data();
   T* __restrict__ col_sum_neg = col_sum_neg_v.data();
-  for (int64_t i = 0; i < n_rows; ++i) {
-    const T* __restrict__ ri = by_row + i * n_cols;
-    const T* __restrict__ ci = by_col + i * n_cols;
-    const int32_t yi = tile.row_ids[i];
-    T lane_pos[kLanes] = {}, lane_neg[kLanes] = {};
-    for_each_lane(n_cols, [&](int64_t k, int64_t j) {
-      const bool positive = yi == y[j];
-      const T d = ri[j];
-      lane_pos[k] += positive ? d : T(0);
-      lane_neg[k] += positive ? T(0) : d;
-      if constexpr (kColumns) {
-        col_sum_pos[j] += positive ? ci[j] : T(0);
-        col_sum_neg[j] += positive ? T(0) : ci[j];
+  T* __restrict__ row_terms = row_terms_v.data();
+  const int32_t* __restrict__ x = tile.row_ids;
+  const int32_t* __restrict__ y = tile.col_ids;
+  const T* __restrict__ zs = tile.logits.template data_ptr<T>();
+  run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
+    for (int64_t i = 0; i < n_rows; ++i) {
+      const T* __restrict__ zi = zs + i * n_cols;
+      const int32_t yi = x[i];
+      T lane_pos[kLanes], lane_neg[kLanes];
+      std::fill(lane_pos, lane_pos + kLanes, kNegInf);
+      std::fill(lane_neg, lane_neg + kLanes, kNegInf);
+      for_each_lane(n_cols, [&](int64_t k, int64_t j) {
+        const bool positive = yi == y[j];
+        const T v_pos = positive ? zi[j] : kNegInf;
+        const T v_neg = positive ? kNegInf : zi[j];
+        const T max_pos = lane_pos[k], max_neg = lane_neg[k];
+        lane_pos[k] = tile_max(v_pos, max_pos);
+        lane_neg[k] = tile_max(v_neg, max_neg);
+        if constexpr (kColumns) {
+          const T old_pos = col_max_pos[j], old_neg = col_max_neg[j];
+          col_max_pos[j] = tile_max(v_pos, old_pos);
+          col_max_neg[j] = tile_max(v_neg, old_neg);
+        }
+      });
+      T m_pos = kNegInf, m_neg = kNegInf;
+      for (int64_t k = 0; k < kLanes; ++k) {
+        m_pos = tile_max(lane_pos[k], m_pos);
+        m_neg = tile_max(lane_neg[k], m_neg);
       }
-    });
-    double sum_pos = 0.0, sum_neg = 0.0;
-    for (int64_t k = 0; k < kLanes; ++k) {
-      sum_pos += lane_pos[k];
-      sum_neg += lane_neg[k];
+      row_max_pos[i] = m_pos;
+      row_max_neg[i] = m_neg;
     }
-    row_states[i].positive.merge(row_max_pos[i], sum_pos);
-    row_states[i].negative.merge(row_max_neg[i], sum_neg);
+    for (int64_t i = 0; i < n_rows; ++i) {
+      const T* __restrict__ zi = zs + i * n_cols;
+      const int32_t yi = x[i];
+      const T row_pos = row_max_pos[i], row_neg = row_max_neg[i];
+      // The row's terms go through a buffer: an exp inside the lanes' loop
+      // keeps it scalar, while the elementwise loop vectorises.
+#pragma omp simd
+      for (int64_t j = 0; j < n_cols; ++j) {
+        const bool positive = yi == y[j];
+        row_terms[j] = inline_exp(shifted_argument(zi[j], positive ? row_pos : row_neg));
+        if constexpr (kColumns) {
+          const T c = inline_exp(shifted_argument(zi[j], positive ? col_max_pos[j] : col_max_neg[j]));
+          col_sum_pos[j] += positive ? c : T(0);
+          col_sum_neg[j] += positive ? T(0) : c;
+        }
+      }
+      T lane_pos[kLanes] = {}, lane_neg[kLanes] = {};
+      for_each_lane(n_cols, [&](int64_t k, int64_t j) {
+        const bool positive = yi == y[j];
+        const T d = row_terms[j];
+        lane_pos[k] += positive ? d : T(0);
+        lane_neg[k] += positive ? T(0) : d;
+      });
+      double sum_pos = 0.0, sum_neg = 0.0;
+      for (int64_t k = 0; k < kLanes; ++k) {
+        sum_pos += lane_pos[k];
+        sum_neg += lane_neg[k];
+      }
+      row_sum_pos[i] = sum_pos;
+      row_sum_neg[i] = sum_neg;
+    }
+  });
+  for (int64_t i = 0; i < n_rows; ++i) {
+    row_states[i].positive.merge(row_max_pos[i], row_sum_pos[i]);
+    row_states[i].negative.merge(row_max_neg[i], row_sum_neg[i]);
   }
   if constexpr (kColumns) {
     for (int64_t j = 0; j < n_cols; ++j) {
@@ -239,6 +245,16 @@ struct RowCoefficients {
 
   explicit RowCoefficients(int64_t n) : lse_pos(n), lse_neg(n), factor(n) {}
 
+  // A row of factor 0 takes LSEs of +inf, so that each exp(z - LSE) of its
+  // pairs is 0 without a test in the tile loop: its own LSE may be -inf (an
+  // empty set), and z - LSE then +inf, whose exp times 0 would be NaN.
+  void set(int64_t i, T lse_positive, T lse_negative, T row_factor) {
+    const bool weightless = row_factor == T(0);
+    lse_pos[i] = weightless ? std::numeric_limits<T>::infinity() : lse_positive;
+    lse_neg[i] = weightless ? std::numeric_limits<T>::infinity() : lse_negative;
+    factor[i] = row_factor;
+  }
+
   // The rows from `first` on, as the pointers a tile reads.
   struct View {
     const T* lse_pos;
@@ -248,46 +264,8 @@ struct RowCoefficients {
   View from(int64_t first) const { return {lse_pos.data() + first, lse_neg.data() + first, factor.data() + first}; }
 };
 
-// exp(z - LSE of z's set) of `view`'s row (by_row) or column, 0 where that
-// row's factor is 0.
-template <typename T>
-at::Tensor softmax_weights(
-    const at::Tensor& logits, // (R, C)
-    const int32_t* row_ids,
-    const int32_t* col_ids,
-    const typename RowCoefficients<T>::View& view,
-    bool by_row) {
-  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
-  const int64_t n_rows = logits.size(0), n_cols = logits.size(1);
-  const int32_t* __restrict__ y = col_ids;
-  at::Tensor out = at::empty_like(logits);
-  for (int64_t i = 0; i < n_rows; ++i) {
-    const T* __restrict__ zi = logits.data_ptr<T>() + i * n_cols;
-    T* __restrict__ oi = out.data_ptr<T>() + i * n_cols;
-    const int32_t yi = row_ids[i];
-    if (by_row) {
-      const T lse_pos = view.lse_pos[i], lse_neg = view.lse_neg[i];
-      const bool off = view.factor[i] == T(0);
-      for (int64_t j = 0; j < n_cols; ++j) {
-        const T lse = yi == y[j] ? lse_pos : lse_neg;
-        oi[j] = off ? kNegInf : exp_argument(zi[j] - lse);
-      }
-    } else {
-      const T* __restrict__ lse_pos = view.lse_pos;
-      const T* __restrict__ lse_neg = view.lse_neg;
-      const T* __restrict__ factor = view.factor;
-      for (int64_t j = 0; j < n_cols; ++j) {
-        const T pos = lse_pos[j], neg = lse_neg[j];
-        const T shifted = exp_argument(zi[j] - (yi == y[j] ? pos : neg));
-        oi[j] = factor[j] == T(0) ? kNegInf : shifted;
-      }
-    }
-  }
-  return out.exp_();
-}
-
-// The tile of weights W_ij (with col_view: W_ij + W_ji) for rows × cols;
-// the left-out pairs get 0.
+// The tile of weights W_ij (with col_view: W_ij + W_ji) for rows × cols,
+// made from the tile of S in one pass; the left-out pairs get 0.
 template <typename T>
 at::Tensor tile_weights(
     const at::Tensor& row_features, // (R, D)
@@ -300,32 +278,40 @@ at::Tensor tile_weights(
     const LeftOutPairs& left_out,
     TileOrigin origin) {
   const int64_t n_rows = row_features.size(0), n_cols = col_features.size(0);
-  at::Tensor logits = similarity_tile(row_features, col_features); // S, then z
-  at::Tensor slopes = at::empty_like(logits);
+  at::Tensor weights = similarity_tile(row_features, col_features); // S, then W
+  T* ws = weights.data_ptr<T>();
+  const int32_t* __restrict__ x = row_ids;
   const int32_t* __restrict__ y = col_ids;
-  for (int64_t i = 0; i < n_rows; ++i) {
-    T* __restrict__ zi = logits.data_ptr<T>() + i * n_cols;
-    T* __restrict__ ci = slopes.data_ptr<T>() + i * n_cols;
-    const int32_t yi = row_ids[i];
-    for (int64_t j = 0; j < n_cols; ++j) {
-      zi[j] = logit(zi[j], yi == y[j], ci + j);
+  const PairLogit<T> pair = logit;
+  run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
+    for (int64_t i = 0; i < n_rows; ++i) {
+      T* __restrict__ wi = ws + i * n_cols;
+      const int32_t yi = x[i];
+      const T row_pos = row_view.lse_pos[i], row_neg = row_view.lse_neg[i], row_factor = row_view.factor[i];
+      if (col_view != nullptr) {
+        const T* __restrict__ col_pos = col_view->lse_pos;
+        const T* __restrict__ col_neg = col_view->lse_neg;
+        const T* __restrict__ col_factor = col_view->factor;
+#pragma omp simd
+        for (int64_t j = 0; j < n_cols; ++j) {
+          const bool positive = yi == y[j];
+          T slope;
+          const T z = pair(wi[j], positive, &slope);
+          const T by_row = inline_exp(z - (positive ? row_pos : row_neg));
+          const T by_col = inline_exp(z - (positive ? col_pos[j] : col_neg[j]));
+          wi[j] = (row_factor * by_row + col_factor[j] * by_col) * slope;
+        }
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < n_cols; ++j) {
+          const bool positive = yi == y[j];
+          T slope;
+          const T z = pair(wi[j], positive, &slope);
+          wi[j] = row_factor * inline_exp(z - (positive ? row_pos : row_neg)) * slope;
+        }
+      }
     }
-  }
-  at::Tensor weights = softmax_weights<T>(logits, row_ids, col_ids, row_view, /*by_row=*/true);
-  const at::Tensor mirrored =
-      col_view != nullptr ? softmax_weights<T>(logits, row_ids, col_ids, *col_view, /*by_row=*/false) : at::Tensor();
-  for (int64_t i = 0; i < n_rows; ++i) {
-    T* __restrict__ wi = weights.data_ptr<T>() + i * n_cols;
-    const T* __restrict__ ci = slopes.data_ptr<T>() + i * n_cols;
-    const T row_factor = row_view.factor[i];
-    if (col_view != nullptr) {
-      const T* __restrict__ mi = mirrored.data_ptr<T>() + i * n_cols;
-      const T* __restrict__ col_factor = col_view->factor;
-      for (int64_t j = 0; j < n_cols; ++j) wi[j] = (row_factor * wi[j] + col_factor[j] * mi[j]) * ci[j];
-    } else {
-      for (int64_t j = 0; j < n_cols; ++j) wi[j] = row_factor * wi[j] * ci[j];
-    }
-  }
+  });
   left_out.for_each_in(origin.row0, n_rows, origin.col0, n_cols, [&](int64_t r, int64_t c) {
     weights.data_ptr<T>()[r * n_cols + c] = T(0);
   });
@@ -528,9 +514,7 @@ std::tuple<at::Tensor, at::Tensor> anchor_gradients(
     for (int64_t i = 0; i < batch; ++i) {
       const T lse_positive = lse.data_ptr<T>()[2 * i];
       const T lse_negative = lse.data_ptr<T>()[2 * i + 1];
-      coefficients.lse_pos[i] = lse_positive;
-      coefficients.lse_neg[i] = lse_negative;
-      coefficients.factor[i] = g.data_ptr<T>()[i] * anchor_row_grad_scale(lse_positive, lse_negative);
+      coefficients.set(i, lse_positive, lse_negative, g.data_ptr<T>()[i] * anchor_row_grad_scale(lse_positive, lse_negative));
     }
     const int32_t* q_ids = in.q_ids.data_ptr<int32_t>();
     if (in.self) {

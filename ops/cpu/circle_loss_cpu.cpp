@@ -43,19 +43,19 @@ namespace {
 using namespace cpu;
 
 // One tile rows × colsᵀ of pairs: its log-sum-exp statistics (positive,
-// negative) and, with kWeights, every pair's exp(z - m) against its set's
-// maximum m in this tile and its slope dz/ds, from which the gradient pass
-// makes its weights. Maxima and sums run per column, so that every inner loop
-// is elementwise over j (a running scalar would chain each step to the last
-// and defeat vectorisation); the columns are folded together at the end, in
+// negative) and, with kWeights, every pair's weight exp(z - m)·dz/ds against
+// its set's maximum m in this tile, split by set, from which the gradient
+// sums are made. Maxima and sums run per column, so that every inner loop is
+// elementwise over j (a running scalar would chain each step to the last and
+// defeat vectorisation); the columns are folded together at the end, in
 // order. The statistics do not depend on kWeights, bit for bit.
 template <typename T>
 struct TilePairs {
   PairStates<double> states;
   T max_pos;
   T max_neg;
-  at::Tensor shifted; // (R, C): exp(z - its set's max)
-  at::Tensor slopes; // (R, C), with kWeights
+  at::Tensor positive_weights; // (R, C), with kWeights: 0 at negative pairs
+  at::Tensor negative_weights; // (R, C), with kWeights: 0 at positive pairs
 };
 
 template <bool kWeights, typename T>
@@ -69,65 +69,68 @@ TilePairs<T> tile_pairs(
   const int64_t n_rows = rows.size(0);
   const int64_t n_cols = cols.size(0);
   TilePairs<T> out;
-  at::Tensor z = similarity_tile(rows, cols);
-  if constexpr (kWeights) out.slopes = at::empty_like(z);
+  at::Tensor z = similarity_tile(rows, cols); // S, then z, then the positive weights
+  at::Tensor slopes = kWeights ? at::empty_like(z) : at::Tensor(); // then the negative weights
   T* zs = z.data_ptr<T>();
+  T* cs = kWeights ? slopes.data_ptr<T>() : nullptr;
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   std::vector<T> col_max_pos_v(n_cols, kNegInf);
   std::vector<T> col_max_neg_v(n_cols, kNegInf);
-  T* __restrict__ col_max_pos = col_max_pos_v.data();
-  T* __restrict__ col_max_neg = col_max_neg_v.data();
-  const PairLogit<T> pair = logit; // a local copy: its fields then stay in registers
-  const int32_t* __restrict__ y = col_labels;
-  for (int64_t i = 0; i < n_rows; ++i) {
-    T* __restrict__ zi = zs + i * n_cols;
-    T* __restrict__ ci = kWeights ? out.slopes.template data_ptr<T>() + i * n_cols : nullptr;
-    const int32_t yi = row_labels[i];
-    for (int64_t j = 0; j < n_cols; ++j) {
-      const bool positive = yi == y[j];
-      T slope;
-      const T v = pair(zi[j], positive, &slope);
-      zi[j] = v;
-      if constexpr (kWeights) ci[j] = slope;
-      const T v_pos = positive ? v : kNegInf;
-      const T v_neg = positive ? kNegInf : v;
-      const T max_pos = col_max_pos[j], max_neg = col_max_neg[j];
-      col_max_pos[j] = tile_max(v_pos, max_pos);
-      col_max_neg[j] = tile_max(v_neg, max_neg);
-    }
-  }
-  auto fold_max = [](const std::vector<T>& v) {
-    T m = -std::numeric_limits<T>::infinity();
-    for (T x : v) {
-      m = tile_max(x, m);
-    }
-    return m;
-  };
-  const T max_pos = fold_max(col_max_pos_v);
-  const T max_neg = fold_max(col_max_neg_v);
-  for (int64_t i = 0; i < n_rows; ++i) {
-    T* __restrict__ zi = zs + i * n_cols;
-    const int32_t yi = row_labels[i];
-    for (int64_t j = 0; j < n_cols; ++j) {
-      // As max_ratio: a logit equal to its set's max gives exp(0), infinite ones too.
-      const T m = yi == col_labels[j] ? max_pos : max_neg;
-      zi[j] = zi[j] == m ? T(0) : exp_argument(zi[j] - m);
-    }
-  }
-  z.exp_(); // ATen's vectorised exp, single-threaded inside a parallel region
   std::vector<T> col_sum_pos_v(n_cols, T(0));
   std::vector<T> col_sum_neg_v(n_cols, T(0));
+  T* __restrict__ col_max_pos = col_max_pos_v.data();
+  T* __restrict__ col_max_neg = col_max_neg_v.data();
   T* __restrict__ col_sum_pos = col_sum_pos_v.data();
   T* __restrict__ col_sum_neg = col_sum_neg_v.data();
-  for (int64_t i = 0; i < n_rows; ++i) {
-    const T* __restrict__ zi = zs + i * n_cols;
-    const int32_t yi = row_labels[i];
-    for (int64_t j = 0; j < n_cols; ++j) {
-      const bool positive = yi == col_labels[j];
-      col_sum_pos[j] += positive ? zi[j] : T(0);
-      col_sum_neg[j] += positive ? T(0) : zi[j];
+  const PairLogit<T> pair = logit;
+  const int32_t* __restrict__ x = row_labels;
+  const int32_t* __restrict__ y = col_labels;
+  run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
+    for (int64_t i = 0; i < n_rows; ++i) {
+      T* __restrict__ zi = zs + i * n_cols;
+      T* __restrict__ ci = kWeights ? cs + i * n_cols : nullptr;
+      const int32_t yi = x[i];
+#pragma omp simd
+      for (int64_t j = 0; j < n_cols; ++j) {
+        const bool positive = yi == y[j];
+        T slope;
+        const T v = pair(zi[j], positive, &slope);
+        zi[j] = v;
+        if constexpr (kWeights) ci[j] = slope;
+        const T v_pos = positive ? v : kNegInf;
+        const T v_neg = positive ? kNegInf : v;
+        const T old_pos = col_max_pos[j], old_neg = col_max_neg[j];
+        col_max_pos[j] = tile_max(v_pos, old_pos);
+        col_max_neg[j] = tile_max(v_neg, old_neg);
+      }
     }
+  });
+  T max_pos = kNegInf, max_neg = kNegInf;
+  for (int64_t j = 0; j < n_cols; ++j) {
+    max_pos = tile_max(col_max_pos[j], max_pos);
+    max_neg = tile_max(col_max_neg[j], max_neg);
   }
+  run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
+    for (int64_t i = 0; i < n_rows; ++i) {
+      T* __restrict__ zi = zs + i * n_cols;
+      T* __restrict__ ci = kWeights ? cs + i * n_cols : nullptr;
+      const int32_t yi = x[i];
+#pragma omp simd
+      for (int64_t j = 0; j < n_cols; ++j) {
+        const bool positive = yi == y[j];
+        // As max_ratio: a logit equal to its set's max gives exp(0), infinite ones too.
+        const T m = positive ? max_pos : max_neg;
+        const T e = inline_exp(zi[j] == m ? T(0) : zi[j] - m);
+        col_sum_pos[j] += positive ? e : T(0);
+        col_sum_neg[j] += positive ? T(0) : e;
+        if constexpr (kWeights) {
+          const T w = e * ci[j];
+          zi[j] = positive ? w : T(0);
+          ci[j] = positive ? T(0) : w;
+        }
+      }
+    }
+  });
   double sum_pos = 0.0;
   double sum_neg = 0.0;
   for (int64_t j = 0; j < n_cols; ++j) {
@@ -138,7 +141,10 @@ TilePairs<T> tile_pairs(
   out.states.negative.merge(max_neg, sum_neg * multiplicity);
   out.max_pos = max_pos;
   out.max_neg = max_neg;
-  out.shifted = z;
+  if constexpr (kWeights) {
+    out.positive_weights = z;
+    out.negative_weights = slopes;
+  }
   return out;
 }
 
@@ -194,27 +200,24 @@ at::Tensor tile_gradient_weights(
   const T lse_pos = static_cast<T>(scalars.lse_positive);
   const T lse_neg = static_cast<T>(scalars.lse_negative);
   const T scale = static_cast<T>(scalars.grad_scale);
-  at::Tensor weights = similarity_tile(rows, cols); // S, then exp(z - LSE), then G
-  at::Tensor slopes = at::empty_like(weights);
-  T* __restrict__ ws = weights.data_ptr<T>();
-  T* __restrict__ cs = slopes.data_ptr<T>();
+  at::Tensor weights = similarity_tile(rows, cols); // S, then G
+  T* ws = weights.data_ptr<T>();
   const PairLogit<T> pair = logit;
+  const int32_t* __restrict__ x = row_labels;
   const int32_t* __restrict__ y = col_labels;
-  for (int64_t i = 0; i < n_rows; ++i) {
-    T* __restrict__ wi = ws + i * n_cols;
-    T* __restrict__ ci = cs + i * n_cols;
-    const int32_t yi = row_labels[i];
-    for (int64_t j = 0; j < n_cols; ++j) {
-      const bool positive = yi == y[j];
-      T slope;
-      wi[j] = exp_argument(pair(wi[j], positive, &slope) - (positive ? lse_pos : lse_neg));
-      ci[j] = slope;
+  run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
+    for (int64_t i = 0; i < n_rows; ++i) {
+      T* __restrict__ wi = ws + i * n_cols;
+      const int32_t yi = x[i];
+#pragma omp simd
+      for (int64_t j = 0; j < n_cols; ++j) {
+        const bool positive = yi == y[j];
+        T slope;
+        const T z = pair(wi[j], positive, &slope);
+        wi[j] = scale * slope * inline_exp(z - (positive ? lse_pos : lse_neg));
+      }
     }
-  }
-  weights.exp_();
-  for (int64_t k = 0; k < n_rows * n_cols; ++k) {
-    ws[k] *= scale * cs[k];
-  }
+  });
   return weights;
 }
 
@@ -360,30 +363,14 @@ std::pair<double, at::Tensor> loss_and_gradient_once(
     TilePairs<T> tile = tile_pairs</*kWeights=*/true, T>(
         rows, ids + bi * kTile, cols, ids + bj * kTile, logit, diagonal ? 1.0 : 2.0);
     partial[tile_index(bi, bj)] = tile.states;
-    // Weights exp(z - m)·c, split by set: positive ones into `shifted`,
-    // negative ones into `slopes`.
     const int64_t n_rows = rows.size(0), n_cols = cols.size(0);
-    T* __restrict__ pos = tile.shifted.template data_ptr<T>();
-    T* __restrict__ neg = tile.slopes.template data_ptr<T>();
-    const int32_t* __restrict__ y = ids + bj * kTile;
-    for (int64_t i = 0; i < n_rows; ++i) {
-      const int32_t yi = ids[bi * kTile + i];
-      T* __restrict__ pi = pos + i * n_cols;
-      T* __restrict__ ni = neg + i * n_cols;
-      for (int64_t j = 0; j < n_cols; ++j) {
-        const bool positive = yi == y[j];
-        const T w = pi[j] * ni[j];
-        pi[j] = positive ? w : T(0);
-        ni[j] = positive ? T(0) : w;
-      }
-    }
     if (tile.max_neg != -std::numeric_limits<T>::infinity()) {
-      row_sums[neg_rows].add(tile.max_neg, tile.slopes, cols);
-      if (!diagonal) col_sums[neg_cols].add(tile.max_neg, tile.slopes.t(), rows);
+      row_sums[neg_rows].add(tile.max_neg, tile.negative_weights, cols);
+      if (!diagonal) col_sums[neg_cols].add(tile.max_neg, tile.negative_weights.t(), rows);
     }
     if (tile.max_pos != -std::numeric_limits<T>::infinity()) {
       for_each_positive_block(in, bi * kTile, n_rows, bj * kTile, n_cols, [&](int64_t r, int64_t nr, int64_t c, int64_t nc) {
-        const at::Tensor w = tile.shifted.narrow(0, r, nr).narrow(1, c, nc);
+        const at::Tensor w = tile.positive_weights.narrow(0, r, nr).narrow(1, c, nc);
         row_sums[pos_rows].add(tile.max_pos, w.contiguous(), cols.narrow(0, c, nc), r);
         if (!diagonal) col_sums[pos_cols].add(tile.max_pos, w.t().contiguous(), rows.narrow(0, r, nr), c);
       });

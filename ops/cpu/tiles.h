@@ -3,6 +3,7 @@
 #pragma once
 
 #include "../circle_loss.h"
+#include "vector_loops.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -133,21 +134,6 @@ inline std::vector<at::Tensor> class_ids(at::TensorList labels) {
 template <typename T>
 inline T tile_max(T a, T b) {
   return a < b ? b : a;
-}
-
-// ATen's exp_ runs MKL's vectorised exp, which takes a slow path for every
-// argument whose result underflows (below about -87 in float32): with few
-// classes most of a tile's positive pairs do, and then cost more than the
-// tile's GEMM. Arguments of exp(z - max) and exp(z - LSE) are floored at
-// kExpFloor instead: its exp (2e-35 in float32, 1e-304 in float64) is lost
-// in any sum that holds its set's maximum term, exp(0) = 1, and leaves a
-// weight far below anything the gradient can resolve.
-template <typename T>
-constexpr T kExpFloor = std::is_same_v<T, float> ? T(-80) : T(-700);
-
-template <typename T>
-inline T exp_argument(T x) {
-  return x < kExpFloor<T> ? kExpFloor<T> : x; // NaN passes
 }
 
 template <typename T>

@@ -1,0 +1,135 @@
+// What lets the CPU tile loops run as wide vector code: an exp that a loop
+// can inline, and a build of each loop for AVX2 with FMA, chosen at run time.
+#pragma once
+
+#include <ATen/Version.h>
+
+#include <bit>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+namespace circle_loss {
+namespace cpu {
+
+template <typename T>
+struct ExpConstants;
+
+template <>
+struct ExpConstants<float> {
+  using Bits = int32_t;
+  static constexpr float kFloor = -80.0f;
+  static constexpr float kCeiling = 80.0f;
+  static constexpr float kRound = 12582912.0f; // 1.5·2²³: adding it rounds to an integer
+  static constexpr float kLn2High = 0.693145751953125f; // ln 2 split so that k·kLn2High is exact
+  static constexpr float kLn2Low = 1.428606765330187045e-06f;
+  static constexpr int kMantissaBits = 23;
+  static constexpr int kExponentBias = 127;
+  static constexpr int kDegree = 7;
+};
+
+template <>
+struct ExpConstants<double> {
+  using Bits = int64_t;
+  static constexpr double kFloor = -700.0;
+  static constexpr double kCeiling = 700.0;
+  static constexpr double kRound = 6755399441055744.0; // 1.5·2⁵²
+  static constexpr double kLn2High = 0.693147180369123816490;
+  static constexpr double kLn2Low = 1.90821492927058770002e-10;
+  static constexpr int kMantissaBits = 52;
+  static constexpr int kExponentBias = 1023;
+  static constexpr int kDegree = 13;
+};
+
+// 1/k!.
+template <typename T>
+constexpr T inverse_factorial(int k) {
+  double factorial = 1.0;
+  for (int n = 2; n <= k; ++n) factorial *= n;
+  return static_cast<T>(1.0 / factorial);
+}
+
+// Σ_{k=K..N} r^(k-K)/k! by Horner's rule, its coefficients immediate
+// constants (a table in memory would be loaded in the loop and keep it scalar).
+template <typename T, int N, int K = 0>
+__attribute__((always_inline)) inline T taylor_polynomial(T r) {
+  if constexpr (K == N) {
+    return inverse_factorial<T>(N);
+  } else {
+    return taylor_polynomial<T, N, K + 1>(r) * r + inverse_factorial<T>(K);
+  }
+}
+
+// exp(x) in straight-line arithmetic that a vectorised loop inlines (a call
+// to a library exp would keep the loop scalar, and a separate exp pass over
+// a buffer costs a write and a read of it): x = k·ln 2 + r with |r| ≤ ln 2 / 2,
+// e^r by its Taylor polynomial (degree 7 in float32, 13 in float64: the
+// truncation stays below an ulp), 2^k built in the exponent bits. Within 2
+// ulp of exp on [kFloor, kCeiling]. Below kFloor it gives 0 (-inf included):
+// exp(-80) = 2e-35 in float32, exp(-700) = 1e-304 in float64, is lost in any
+// sum that holds its set's largest term, exp(0) = 1, and is far below any
+// weight the gradient resolves. Above kCeiling it gives inf; NaN stays NaN.
+template <typename T>
+__attribute__((always_inline)) inline T inline_exp(T x) {
+  using C = ExpConstants<T>;
+  using Bits = typename C::Bits;
+  const T clamped = x > C::kCeiling ? C::kCeiling : x;
+  // x·log2(e) rounded to the integer k, which also sits in the low bits of `rounded`.
+  const T rounded = clamped * T(1.44269504088896340736) + C::kRound;
+  const T k = rounded - C::kRound;
+  const T r = (clamped - k * C::kLn2High) - k * C::kLn2Low;
+  const T p = taylor_polynomial<T, C::kDegree>(r);
+  const T two_to_k =
+      std::bit_cast<T>(static_cast<Bits>((std::bit_cast<Bits>(rounded) + C::kExponentBias) << C::kMantissaBits));
+  const T e = x < C::kFloor ? T(0) : p * two_to_k;
+  return x > C::kCeiling ? std::numeric_limits<T>::infinity() : e;
+}
+
+// Whether the loops take their AVX2 + FMA build: where ATen's own kernels
+// take AVX2 or wider (its CPU capability, which the ATEN_CPU_CAPABILITY
+// environment variable can lower, e.g. to "default" to test the other build).
+inline bool wide_vectors() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool wide = [] {
+    const std::string capability = at::get_cpu_capability();
+    return (capability == "AVX2" || capability == "AVX512") && __builtin_cpu_supports("avx2") &&
+        __builtin_cpu_supports("fma");
+  }();
+  return wide;
+#else
+  return false;
+#endif
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+template <typename Loop>
+__attribute__((target("avx2,fma"))) void run_avx2(Loop loop) {
+  loop();
+}
+#endif
+
+// Runs loop(), a lambda marked CIRCLE_LOSS_VECTOR_LOOP, compiled for AVX2 and
+// FMA where wide_vectors() says so and for the baseline target elsewhere. The
+// lambda is inlined into each caller and so compiled twice; the functions it
+// calls must inline too (inline_exp, PairLogit), or they stay baseline code.
+// It captures by value (pointers and scalars) and is taken by value, so that
+// its captures are registers, not memory the loop's stores might alias; its
+// elementwise loops carry `omp simd` (no iteration depends on another), as
+// GCC otherwise guards them with run-time overlap tests that can send them
+// down the scalar path. FMA contraction makes the two builds round
+// differently, each the same from run to run and for any thread count.
+#define CIRCLE_LOSS_VECTOR_LOOP __attribute__((always_inline))
+
+template <typename Loop>
+inline void run_vectorised(Loop loop) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (wide_vectors()) {
+    run_avx2(loop);
+    return;
+  }
+#endif
+  loop();
+}
+
+} // namespace cpu
+} // namespace circle_loss
