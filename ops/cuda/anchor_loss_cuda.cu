@@ -50,14 +50,31 @@ __device__ __forceinline__ void merge_row_state(
   state.store_at(states, row);
 }
 
-// What the backward needs of a row: its two LSEs and g_i·σ(Z_i) (0 where
-// the row's loss is identically 0), as (LSE_P, LSE_N, factor) in acc_t.
+// What a row's gradient weights need: its two LSEs and g_i·σ(Z_i) (0 where
+// the row's loss is identically 0). Records of a (B, 3) array in acc_t,
+// (LSE_P, LSE_N, factor), read and written through at and store_at.
 template <typename T>
 struct RowCoefficients {
+  static constexpr int kValues = 3;
   T lse[2];
   T factor;
 
-  __device__ __forceinline__ static RowCoefficients load(const T* values) { return {{values[0], values[1]}, values[2]}; }
+  // The coefficients of a row with these LSEs and incoming gradient g.
+  __device__ __forceinline__ static RowCoefficients of(T lse_positive, T lse_negative, T g) {
+    return {{lse_positive, lse_negative}, g * anchor_row_grad_scale(lse_positive, lse_negative)};
+  }
+
+  __device__ __forceinline__ static RowCoefficients at(const T* records, int64_t index) {
+    const T* r = records + kValues * index;
+    return {{r[0], r[1]}, r[2]};
+  }
+
+  __device__ __forceinline__ void store_at(T* records, int64_t index) const {
+    T* r = records + kValues * index;
+    r[0] = lse[0];
+    r[1] = lse[1];
+    r[2] = factor;
+  }
 
   // The weight of one pair of this row: factor·exp(z - LSE of its set)·slope.
   __device__ __forceinline__ T weight(T z, bool positive, T slope) const {
@@ -237,9 +254,7 @@ __global__ void __launch_bounds__(kThreads) finish_rows_kernel(
     row_lse[2 * i + 1] = lse_negative;
   }
   if (coefficients != nullptr) {
-    coefficients[3 * i] = lse_positive;
-    coefficients[3 * i + 1] = lse_negative;
-    coefficients[3 * i + 2] = anchor_row_grad_scale(lse_positive, lse_negative);
+    RowCoefficients<acc_t>::of(lse_positive, lse_negative, acc_t(1)).store_at(coefficients, i);
   }
   losses[i] = static_cast<scalar_t>(static_cast<acc_t>(anchor_row_loss(lse_positive, lse_negative)));
 }
@@ -253,12 +268,8 @@ __global__ void __launch_bounds__(kThreads) coefficients_kernel(
     acc_t* __restrict__ coefficients) { // (B, 3)
   const int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
   if (i >= batch) return;
-  const acc_t lse_positive = row_lse[2 * i];
-  const acc_t lse_negative = row_lse[2 * i + 1];
-  coefficients[3 * i] = lse_positive;
-  coefficients[3 * i + 1] = lse_negative;
-  coefficients[3 * i + 2] =
-      static_cast<acc_t>(grad_losses[i]) * anchor_row_grad_scale(lse_positive, lse_negative);
+  RowCoefficients<acc_t>::of(row_lse[2 * i], row_lse[2 * i + 1], static_cast<acc_t>(grad_losses[i]))
+      .store_at(coefficients, i);
 }
 
 // The gradient weights of every entry of a strip (rows from row0, columns
@@ -282,9 +293,9 @@ __global__ void __launch_bounds__(kThreads) weights_kernel(
   for_each_entry(s, rows, cols, row_labels, col_labels, [&](int64_t r, int64_t c, acc_t s_rc, bool positive) {
     acc_t slope;
     const acc_t z = logit(s_rc, positive, &slope);
-    acc_t w = RowCoefficients<acc_t>::load(row_coefficients + 3 * r).weight(z, positive, slope);
+    acc_t w = RowCoefficients<acc_t>::at(row_coefficients, r).weight(z, positive, slope);
     if (self) {
-      w += RowCoefficients<acc_t>::load(col_coefficients + 3 * c).weight(z, positive, slope);
+      w += RowCoefficients<acc_t>::at(col_coefficients, c).weight(z, positive, slope);
       if (row0 + r == col0 + c) w = acc_t(0);
     } else if (left_out != nullptr && left_out[r] == col0 + c) {
       w = acc_t(0);
@@ -355,13 +366,13 @@ class AnchorPasses {
     const auto stream = c10::cuda::getCurrentCUDAStream();
     const int64_t batch = q_.size();
     at::Tensor states = at::empty({batch, PairStates<acc_t>::kValues}, workspace_.options());
-    at::Tensor coefficients = at::empty({batch, 3}, workspace_.options());
+    at::Tensor coefficients = at::empty({batch, RowCoefficients<acc_t>::kValues}, workspace_.options());
     const at::Tensor weight_space = make_weight_space();
     if (r_.size() == 0) row_grads.zero_();
     for (const Strip& strip : strips_) {
       const at::Tensor s = strip_similarities(q_, r_, strip, workspace_);
       acc_t* state = states.data_ptr<acc_t>() + PairStates<acc_t>::kValues * strip.row0;
-      acc_t* coefficient = coefficients.data_ptr<acc_t>() + 3 * strip.row0;
+      acc_t* coefficient = coefficients.data_ptr<acc_t>() + RowCoefficients<acc_t>::kValues * strip.row0;
       reduce_strip(strip, s, states.data_ptr<acc_t>());
       finish_rows_kernel<scalar_t, acc_t><<<blocks_for(strip.rows), kThreads, 0, stream>>>(
           state, strip.rows, losses.data_ptr<scalar_t>() + strip.row0, nullptr, coefficient);
@@ -377,7 +388,7 @@ class AnchorPasses {
     const auto stream = c10::cuda::getCurrentCUDAStream();
     const int64_t batch = q_.size();
     const int64_t dim = q_.dim();
-    at::Tensor coefficients = at::empty({batch, 3}, workspace_.options());
+    at::Tensor coefficients = at::empty({batch, RowCoefficients<acc_t>::kValues}, workspace_.options());
     coefficients_kernel<scalar_t, acc_t><<<blocks_for(batch), kThreads, 0, stream>>>(
         grad_losses.data_ptr<scalar_t>(), row_lse.data_ptr<acc_t>(), batch, coefficients.data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -395,8 +406,9 @@ class AnchorPasses {
     for (auto strip = strips_.rbegin(); strip != strips_.rend(); ++strip) {
       const at::Tensor s = strip_similarities(q_, r_, *strip, workspace_);
       const acc_t* coefficient = coefficients.data_ptr<acc_t>();
-      const at::Tensor weights = launch_weights(
-          *strip, s, weight_space, coefficient + 3 * strip->row0, self_ ? coefficient + 3 * strip->col0 : nullptr);
+      constexpr int kValues = RowCoefficients<acc_t>::kValues;
+      const at::Tensor weights = launch_weights(*strip, s, weight_space, coefficient + kValues * strip->row0,
+                                                self_ ? coefficient + kValues * strip->col0 : nullptr);
       const at::Tensor own_rows = q_.features.narrow(0, strip->row0, strip->rows);
       matmul_into(grad_q.narrow(0, strip->row0, strip->rows), weights, r_.features.narrow(0, strip->col0, strip->cols));
       if (self_) {
