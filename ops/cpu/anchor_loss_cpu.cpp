@@ -95,7 +95,6 @@ struct PairTile {
     T* zs = logits.data_ptr<T>();
     const int32_t* __restrict__ x = row_ids;
     const int32_t* __restrict__ y = col_ids;
-    const PairLogit<T> pair = logit;
     run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
       for (int64_t i = 0; i < n_rows; ++i) {
         T* __restrict__ zi = zs + i * n_cols;
@@ -103,7 +102,7 @@ struct PairTile {
 #pragma omp simd
         for (int64_t j = 0; j < n_cols; ++j) {
           T slope;
-          zi[j] = pair(zi[j], yi == y[j], &slope);
+          zi[j] = logit(zi[j], yi == y[j], &slope);
         }
       }
     });
@@ -282,7 +281,6 @@ at::Tensor tile_weights(
   T* ws = weights.data_ptr<T>();
   const int32_t* __restrict__ x = row_ids;
   const int32_t* __restrict__ y = col_ids;
-  const PairLogit<T> pair = logit;
   run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
     for (int64_t i = 0; i < n_rows; ++i) {
       T* __restrict__ wi = ws + i * n_cols;
@@ -296,7 +294,7 @@ at::Tensor tile_weights(
         for (int64_t j = 0; j < n_cols; ++j) {
           const bool positive = yi == y[j];
           T slope;
-          const T z = pair(wi[j], positive, &slope);
+          const T z = logit(wi[j], positive, &slope);
           const T by_row = inline_exp(z - (positive ? row_pos : row_neg));
           const T by_col = inline_exp(z - (positive ? col_pos[j] : col_neg[j]));
           wi[j] = (row_factor * by_row + col_factor[j] * by_col) * slope;
@@ -306,7 +304,7 @@ at::Tensor tile_weights(
         for (int64_t j = 0; j < n_cols; ++j) {
           const bool positive = yi == y[j];
           T slope;
-          const T z = pair(wi[j], positive, &slope);
+          const T z = logit(wi[j], positive, &slope);
           wi[j] = row_factor * inline_exp(z - (positive ? row_pos : row_neg)) * slope;
         }
       }

@@ -82,7 +82,6 @@ TilePairs<T> tile_pairs(
   T* __restrict__ col_max_neg = col_max_neg_v.data();
   T* __restrict__ col_sum_pos = col_sum_pos_v.data();
   T* __restrict__ col_sum_neg = col_sum_neg_v.data();
-  const PairLogit<T> pair = logit;
   const int32_t* __restrict__ x = row_labels;
   const int32_t* __restrict__ y = col_labels;
   run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
@@ -94,7 +93,7 @@ TilePairs<T> tile_pairs(
       for (int64_t j = 0; j < n_cols; ++j) {
         const bool positive = yi == y[j];
         T slope;
-        const T v = pair(zi[j], positive, &slope);
+        const T v = logit(zi[j], positive, &slope);
         zi[j] = v;
         if constexpr (kWeights) ci[j] = slope;
         const T v_pos = positive ? v : kNegInf;
@@ -202,7 +201,6 @@ at::Tensor tile_gradient_weights(
   const T scale = static_cast<T>(scalars.grad_scale);
   at::Tensor weights = similarity_tile(rows, cols); // S, then G
   T* ws = weights.data_ptr<T>();
-  const PairLogit<T> pair = logit;
   const int32_t* __restrict__ x = row_labels;
   const int32_t* __restrict__ y = col_labels;
   run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
@@ -213,7 +211,7 @@ at::Tensor tile_gradient_weights(
       for (int64_t j = 0; j < n_cols; ++j) {
         const bool positive = yi == y[j];
         T slope;
-        const T z = pair(wi[j], positive, &slope);
+        const T z = logit(wi[j], positive, &slope);
         wi[j] = scale * slope * inline_exp(z - (positive ? lse_pos : lse_neg));
       }
     }

@@ -9,6 +9,14 @@
 #include <limits>
 #include <string>
 
+// Where the AVX2 build can be made: x86-64 compilers that take GCC's target
+// attribute (GCC, Clang).
+#if defined(__x86_64__) && defined(__GNUC__)
+#define CIRCLE_LOSS_AVX2_BUILD 1
+#else
+#define CIRCLE_LOSS_AVX2_BUILD 0
+#endif
+
 namespace circle_loss {
 namespace cpu {
 
@@ -89,7 +97,7 @@ __attribute__((always_inline)) inline T inline_exp(T x) {
 // take AVX2 or wider (its CPU capability, which the ATEN_CPU_CAPABILITY
 // environment variable can lower, e.g. to "default" to test the other build).
 inline bool wide_vectors() {
-#if defined(__x86_64__) && defined(__GNUC__)
+#if CIRCLE_LOSS_AVX2_BUILD
   static const bool wide = [] {
     const std::string capability = at::get_cpu_capability();
     return (capability == "AVX2" || capability == "AVX512") && __builtin_cpu_supports("avx2") &&
@@ -101,7 +109,7 @@ inline bool wide_vectors() {
 #endif
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if CIRCLE_LOSS_AVX2_BUILD
 template <typename Loop>
 __attribute__((target("avx2,fma"))) void run_avx2(Loop loop) {
   loop();
@@ -122,7 +130,7 @@ __attribute__((target("avx2,fma"))) void run_avx2(Loop loop) {
 
 template <typename Loop>
 inline void run_vectorised(Loop loop) {
-#if defined(__x86_64__) && defined(__GNUC__)
+#if CIRCLE_LOSS_AVX2_BUILD
   if (wide_vectors()) {
     run_avx2(loop);
     return;
