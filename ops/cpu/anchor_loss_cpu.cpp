@@ -112,23 +112,6 @@ struct PairTile {
   }
 };
 
-// Reductions along a row run in kLanes independent lanes, each an
-// elementwise step over a chunk of the row, so that they vectorise (one
-// running value per row would chain every step to the last). Reductions
-// down the columns keep one value per column: elementwise over each row.
-constexpr int64_t kLanes = 16;
-
-// Calls step(k, j) for every column j of a row, k = j mod kLanes, in chunks
-// of kLanes that the compiler makes one vector step each.
-template <typename Step>
-inline void for_each_lane(int64_t n_cols, const Step& step) {
-  int64_t j0 = 0;
-  for (; j0 + kLanes <= n_cols; j0 += kLanes) {
-    for (int64_t k = 0; k < kLanes; ++k) step(k, j0 + k); // a fixed count: one vector step
-  }
-  for (int64_t k = 0; j0 + k < n_cols; ++k) step(k, j0 + k);
-}
-
 // The argument of exp(z - m), m the max of z's set, that gives 0 for z = -inf
 // and, as max_ratio, exp(0) for a logit equal to its set's max, +inf too.
 template <typename T>
@@ -142,25 +125,24 @@ inline T shifted_argument(T z, T m) {
 
 // Merges the tile's LSE states into its rows' (row_states[0, R)) and, with
 // kColumns, its columns' (col_states[0, C)), in two passes over the tile
-// that serve both: the maxima, then the sums of exp(z - max).
+// that serve both: the maxima, then the sums of exp(z - max). A row's
+// maximum and sum are `omp simd` reductions, so that they run in vector
+// lanes beside the elementwise column updates.
 template <bool kColumns, typename T>
 void merge_tile_states(const PairTile<T>& tile, PairStates<double>* row_states, PairStates<double>* col_states) {
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   const int64_t n_rows = tile.rows, n_cols = tile.cols;
-  std::vector<T> row_max_pos_v(n_rows), row_max_neg_v(n_rows);
-  std::vector<double> row_sum_pos_v(n_rows), row_sum_neg_v(n_rows);
+  std::vector<T> row_max_pos_v(n_rows), row_max_neg_v(n_rows), row_sum_pos_v(n_rows), row_sum_neg_v(n_rows);
   std::vector<T> col_max_pos_v(kColumns ? n_cols : 0, kNegInf), col_max_neg_v(kColumns ? n_cols : 0, kNegInf);
   std::vector<T> col_sum_pos_v(kColumns ? n_cols : 0, T(0)), col_sum_neg_v(kColumns ? n_cols : 0, T(0));
-  std::vector<T> row_terms_v(n_cols);
   T* __restrict__ row_max_pos = row_max_pos_v.data();
   T* __restrict__ row_max_neg = row_max_neg_v.data();
-  double* __restrict__ row_sum_pos = row_sum_pos_v.data();
-  double* __restrict__ row_sum_neg = row_sum_neg_v.data();
+  T* __restrict__ row_sum_pos = row_sum_pos_v.data();
+  T* __restrict__ row_sum_neg = row_sum_neg_v.data();
   T* __restrict__ col_max_pos = col_max_pos_v.data();
   T* __restrict__ col_max_neg = col_max_neg_v.data();
   T* __restrict__ col_sum_pos = col_sum_pos_v.data();
   T* __restrict__ col_sum_neg = col_sum_neg_v.data();
-  T* __restrict__ row_terms = row_terms_v.data();
   const int32_t* __restrict__ x = tile.row_ids;
   const int32_t* __restrict__ y = tile.col_ids;
   const T* __restrict__ zs = tile.logits.template data_ptr<T>();
@@ -168,57 +150,38 @@ void merge_tile_states(const PairTile<T>& tile, PairStates<double>* row_states, 
     for (int64_t i = 0; i < n_rows; ++i) {
       const T* __restrict__ zi = zs + i * n_cols;
       const int32_t yi = x[i];
-      T lane_pos[kLanes], lane_neg[kLanes];
-      std::fill(lane_pos, lane_pos + kLanes, kNegInf);
-      std::fill(lane_neg, lane_neg + kLanes, kNegInf);
-      for_each_lane(n_cols, [&](int64_t k, int64_t j) {
+      T max_pos = kNegInf, max_neg = kNegInf;
+#pragma omp simd reduction(max : max_pos, max_neg)
+      for (int64_t j = 0; j < n_cols; ++j) {
         const bool positive = yi == y[j];
         const T v_pos = positive ? zi[j] : kNegInf;
         const T v_neg = positive ? kNegInf : zi[j];
-        const T max_pos = lane_pos[k], max_neg = lane_neg[k];
-        lane_pos[k] = tile_max(v_pos, max_pos);
-        lane_neg[k] = tile_max(v_neg, max_neg);
+        max_pos = tile_max(v_pos, max_pos);
+        max_neg = tile_max(v_neg, max_neg);
         if constexpr (kColumns) {
-          const T old_pos = col_max_pos[j], old_neg = col_max_neg[j];
-          col_max_pos[j] = tile_max(v_pos, old_pos);
-          col_max_neg[j] = tile_max(v_neg, old_neg);
+          col_max_pos[j] = tile_max(v_pos, col_max_pos[j]);
+          col_max_neg[j] = tile_max(v_neg, col_max_neg[j]);
         }
-      });
-      T m_pos = kNegInf, m_neg = kNegInf;
-      for (int64_t k = 0; k < kLanes; ++k) {
-        m_pos = tile_max(lane_pos[k], m_pos);
-        m_neg = tile_max(lane_neg[k], m_neg);
       }
-      row_max_pos[i] = m_pos;
-      row_max_neg[i] = m_neg;
+      row_max_pos[i] = max_pos;
+      row_max_neg[i] = max_neg;
     }
     for (int64_t i = 0; i < n_rows; ++i) {
       const T* __restrict__ zi = zs + i * n_cols;
       const int32_t yi = x[i];
-      const T row_pos = row_max_pos[i], row_neg = row_max_neg[i];
-      // The row's terms go through a buffer: an exp inside the lanes' loop
-      // keeps it scalar, while the elementwise loop vectorises.
-#pragma omp simd
+      const T m_pos = row_max_pos[i], m_neg = row_max_neg[i];
+      T sum_pos = 0, sum_neg = 0;
+#pragma omp simd reduction(+ : sum_pos, sum_neg)
       for (int64_t j = 0; j < n_cols; ++j) {
         const bool positive = yi == y[j];
-        row_terms[j] = inline_exp(shifted_argument(zi[j], positive ? row_pos : row_neg));
+        const T e = inline_exp(shifted_argument(zi[j], positive ? m_pos : m_neg));
+        sum_pos += positive ? e : T(0);
+        sum_neg += positive ? T(0) : e;
         if constexpr (kColumns) {
           const T c = inline_exp(shifted_argument(zi[j], positive ? col_max_pos[j] : col_max_neg[j]));
           col_sum_pos[j] += positive ? c : T(0);
           col_sum_neg[j] += positive ? T(0) : c;
         }
-      }
-      T lane_pos[kLanes] = {}, lane_neg[kLanes] = {};
-      for_each_lane(n_cols, [&](int64_t k, int64_t j) {
-        const bool positive = yi == y[j];
-        const T d = row_terms[j];
-        lane_pos[k] += positive ? d : T(0);
-        lane_neg[k] += positive ? T(0) : d;
-      });
-      double sum_pos = 0.0, sum_neg = 0.0;
-      for (int64_t k = 0; k < kLanes; ++k) {
-        sum_pos += lane_pos[k];
-        sum_neg += lane_neg[k];
       }
       row_sum_pos[i] = sum_pos;
       row_sum_neg[i] = sum_neg;
