@@ -11,9 +11,10 @@
 // above the diagonal are formed: in the forward a tile's row reductions feed
 // rows I and its column reductions rows J; in the backward the tile
 // C = W_IJ + W_JIᵀ, made elementwise from the one tile of S, adds C Q_J to
-// rows I and Cᵀ Q_I to rows J. Round r takes the tiles {I, (I + r) mod n},
-// so that each accumulator is written by one task per round, in round order:
-// the result is bitwise the same for any thread count.
+// rows I and, in a second phase of the round, Cᵀ Q_I to rows J. Round r
+// takes the tiles {I, (I + r) mod n}, so that each accumulator is written by
+// one task per round (per phase), in round order: the result is bitwise the
+// same for any thread count.
 #include "tiles.h"
 
 #include <ATen/Dispatch.h>
@@ -464,7 +465,8 @@ std::tuple<at::Tensor, at::Tensor> anchor_gradients(
     bool ref_grad) {
   const int64_t batch = in.q.size(0);
   ref_grad = ref_grad && !in.self;
-  at::Tensor grad_q = at::zeros_like(in.q);
+  // Without a reference set every block's first term is written, not added.
+  at::Tensor grad_q = in.self ? at::empty_like(in.q) : at::zeros_like(in.q);
   at::Tensor grad_r = ref_grad ? at::zeros_like(in.r) : at::empty({0, in.q.size(1)}, in.q.options());
   AT_DISPATCH_FLOATING_TYPES(in.q.scalar_type(), "circle_anchor_loss_backward_cpu", [&] {
     using T = scalar_t;
@@ -479,18 +481,29 @@ std::tuple<at::Tensor, at::Tensor> anchor_gradients(
     }
     const int32_t* q_ids = in.q_ids.data_ptr<int32_t>();
     if (in.self) {
-      at::Tensor by_col = at::zeros_like(in.q);
-      for_each_symmetric_round(at::divup(batch, kTile), [&](int64_t round, int64_t bi, int64_t bj) {
-        const at::Tensor rows = block_of(in.q, bi);
-        const at::Tensor cols = block_of(in.q, bj);
-        const auto col_view = coefficients.from(bj * kTile);
-        const at::Tensor c = tile_weights<T>(
-            rows, q_ids + bi * kTile, coefficients.from(bi * kTile), cols, q_ids + bj * kTile, &col_view, logit,
-            in.left_out(), {bi * kTile, bj * kTile});
-        block_of(grad_q, bi).addmm_(c, cols);
-        if (round != 0) block_of(by_col, bj).addmm_(c.t(), rows);
-      });
-      grad_q.add_(by_col);
+      // Round r's tiles of C, by row block, kept for the round's column phase.
+      const int64_t blocks = at::divup(batch, kTile);
+      std::vector<at::Tensor> round_tiles(blocks);
+      for_each_symmetric_round(
+          blocks,
+          [&](int64_t round, int64_t bi, int64_t bj) {
+            const at::Tensor cols = block_of(in.q, bj);
+            const auto col_view = coefficients.from(bj * kTile);
+            at::Tensor c = tile_weights<T>(
+                block_of(in.q, bi), q_ids + bi * kTile, coefficients.from(bi * kTile), cols, q_ids + bj * kTile,
+                &col_view, logit, in.left_out(), {bi * kTile, bj * kTile});
+            at::Tensor rows_grad = block_of(grad_q, bi);
+            if (round == 0) {
+              at::mm_out(rows_grad, c, cols); // the diagonal tile: the block's first term
+            } else {
+              rows_grad.addmm_(c, cols);
+              round_tiles[bi] = std::move(c);
+            }
+          },
+          [&](int64_t, int64_t bi, int64_t bj) {
+            block_of(grad_q, bj).addmm_(round_tiles[bi].t(), block_of(in.q, bi));
+            round_tiles[bi].reset();
+          });
     } else {
       const int32_t* r_ids = in.r_ids.data_ptr<int32_t>();
       const auto weights = [&](int64_t bi, int64_t bj) {

@@ -54,6 +54,12 @@ inline at::Tensor block_of(const at::Tensor& t, int64_t b) {
   return t.narrow(0, b * kTile, std::min(kTile, t.size(0) - b * kTile));
 }
 
+// The number of tiles in round `round` of for_each_symmetric_round: with an
+// even count the last round meets each pair from both ends, so it has half.
+inline int64_t tiles_in_round(int64_t blocks, int64_t round) {
+  return (2 * round == blocks) ? blocks / 2 : blocks;
+}
+
 // The tiles {bi, (bi + round) mod n} on and above the diagonal of a
 // symmetric product, round by round: within a round every block is some
 // tile's row block once and some tile's column block once, so accumulators
@@ -62,9 +68,22 @@ inline at::Tensor block_of(const at::Tensor& t, int64_t b) {
 template <typename Task>
 inline void for_each_symmetric_round(int64_t blocks, const Task& task) {
   for (int64_t round = 0; round <= blocks / 2; ++round) {
-    // With an even count the last round meets each pair from both ends.
-    const int64_t tiles = (2 * round == blocks) ? blocks / 2 : blocks;
+    for_each_task(tiles_in_round(blocks, round), [&](int64_t bi) { task(round, bi, (bi + round) % blocks); });
+  }
+}
+
+// As above, with a second phase in each round after the first: then
+// column_task(round, bi, bj) runs for each of the round's tiles off the
+// diagonal. A block is the row block of one tile and the column block of
+// one, so a single accumulator per block has one writer in each phase:
+// task writes row block bi, column_task column block bj.
+template <typename Task, typename ColumnTask>
+inline void for_each_symmetric_round(int64_t blocks, const Task& task, const ColumnTask& column_task) {
+  for (int64_t round = 0; round <= blocks / 2; ++round) {
+    const int64_t tiles = tiles_in_round(blocks, round);
     for_each_task(tiles, [&](int64_t bi) { task(round, bi, (bi + round) % blocks); });
+    if (round == 0) continue;
+    for_each_task(tiles, [&](int64_t bi) { column_task(round, bi, (bi + round) % blocks); });
   }
 }
 
