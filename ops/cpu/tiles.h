@@ -15,7 +15,10 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 
+#include <array>
 #include <atomic>
+#include <memory>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -54,37 +57,108 @@ inline at::Tensor block_of(const at::Tensor& t, int64_t b) {
   return t.narrow(0, b * kTile, std::min(kTile, t.size(0) - b * kTile));
 }
 
+// Runs step(t) for every t in [0, n) on the intra-op threads as if one after
+// another: step t touches (reads or writes) the two accumulators touched(t),
+// ids in [0, n_accumulators), and starts once every earlier step that touches
+// either is done. Each accumulator so sees its steps in index order whichever
+// thread runs them, and the result is the same for any thread count; yet a
+// thread that finishes early takes the next step whose accumulators are free,
+// instead of waiting at a barrier for a slower one. Steps are taken in index
+// order and wait only on earlier ones, so the earliest unfinished step can
+// always run.
+template <typename Touched, typename Step>
+inline void for_each_step_in_order(int64_t n, int64_t n_accumulators, const Touched& touched, const Step& step) {
+  // turn[t][k]: how many earlier steps touch the accumulator touched(t)[k].
+  std::vector<std::array<int64_t, 2>> turn(n);
+  std::vector<int64_t> touches(n_accumulators, 0);
+  for (int64_t t = 0; t < n; ++t) {
+    const std::array<int64_t, 2> ids = touched(t);
+    TORCH_INTERNAL_ASSERT(ids[0] != ids[1]);
+    for (int k = 0; k < 2; ++k) turn[t][k] = touches[ids[k]]++;
+  }
+  const std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[n_accumulators]);
+  for (int64_t a = 0; a < n_accumulators; ++a) done[a].store(0, std::memory_order_relaxed);
+  std::atomic<bool> failed{false};
+  for_each_task(n, [&](int64_t t) {
+    const std::array<int64_t, 2> ids = touched(t);
+    for (int k = 0; k < 2; ++k) {
+      while (done[ids[k]].load(std::memory_order_acquire) != turn[t][k]) {
+        if (failed.load(std::memory_order_relaxed)) return; // a step threw: its accumulators never free up
+        std::this_thread::yield();
+      }
+    }
+    try {
+      step(t);
+    } catch (...) {
+      failed = true;
+      throw;
+    }
+    for (int k = 0; k < 2; ++k) done[ids[k]].fetch_add(1, std::memory_order_release);
+  });
+}
+
 // The number of tiles in round `round` of for_each_symmetric_round: with an
 // even count the last round meets each pair from both ends, so it has half.
 inline int64_t tiles_in_round(int64_t blocks, int64_t round) {
   return (2 * round == blocks) ? blocks / 2 : blocks;
 }
 
-// The tiles {bi, (bi + round) mod n} on and above the diagonal of a
-// symmetric product, round by round: within a round every block is some
-// tile's row block once and some tile's column block once, so accumulators
-// kept by row block and by column block each have one writer a round, and
-// every accumulator sums in round order.
-template <typename Task>
-inline void for_each_symmetric_round(int64_t blocks, const Task& task) {
+// The tiles {bi, (bi + round) mod n} on and above the diagonal of a symmetric
+// product, n = blocks, round by round (with phases, each round's tiles visited
+// twice): within a round every block is some tile's row block once and some
+// tile's column block once.
+struct RoundStep {
+  int64_t round;
+  int64_t phase;
+  int64_t bi;
+  int64_t bj;
+};
+
+inline std::vector<RoundStep> symmetric_round_steps(int64_t blocks, int64_t phases) {
+  std::vector<RoundStep> steps;
   for (int64_t round = 0; round <= blocks / 2; ++round) {
-    for_each_task(tiles_in_round(blocks, round), [&](int64_t bi) { task(round, bi, (bi + round) % blocks); });
+    for (int64_t phase = 0; phase < (round == 0 ? 1 : phases); ++phase) {
+      for (int64_t bi = 0; bi < tiles_in_round(blocks, round); ++bi) {
+        steps.push_back({round, phase, bi, (bi + round) % blocks});
+      }
+    }
   }
+  return steps;
 }
 
-// As above, with a second phase in each round after the first: then
-// column_task(round, bi, bj) runs for each of the round's tiles off the
-// diagonal. A block is the row block of one tile and the column block of
-// one, so a single accumulator per block has one writer in each phase:
-// task writes row block bi, column_task column block bj.
+// task(round, bi, bj) for every tile, where a task may write one accumulator
+// kept by its row block bi and one kept by its column block bj: each
+// accumulator has one writer a round, and sums in round order.
+template <typename Task>
+inline void for_each_symmetric_round(int64_t blocks, const Task& task) {
+  const std::vector<RoundStep> steps = symmetric_round_steps(blocks, 1);
+  for_each_step_in_order(
+      static_cast<int64_t>(steps.size()), 2 * blocks,
+      [&](int64_t t) { return std::array<int64_t, 2>{steps[t].bi, blocks + steps[t].bj}; },
+      [&](int64_t t) { task(steps[t].round, steps[t].bi, steps[t].bj); });
+}
+
+// As above with one accumulator per block, and in two phases: in each round
+// task(round, bi, bj) for every tile, which may write block bi's accumulator
+// and leave something in slot bi, then, off the diagonal,
+// column_task(round, bi, bj), which may write block bj's and read slot bi.
 template <typename Task, typename ColumnTask>
 inline void for_each_symmetric_round(int64_t blocks, const Task& task, const ColumnTask& column_task) {
-  for (int64_t round = 0; round <= blocks / 2; ++round) {
-    const int64_t tiles = tiles_in_round(blocks, round);
-    for_each_task(tiles, [&](int64_t bi) { task(round, bi, (bi + round) % blocks); });
-    if (round == 0) continue;
-    for_each_task(tiles, [&](int64_t bi) { column_task(round, bi, (bi + round) % blocks); });
-  }
+  const std::vector<RoundStep> steps = symmetric_round_steps(blocks, 2);
+  for_each_step_in_order(
+      static_cast<int64_t>(steps.size()), 2 * blocks,
+      [&](int64_t t) {
+        const RoundStep& s = steps[t];
+        return std::array<int64_t, 2>{s.phase == 0 ? s.bi : s.bj, blocks + s.bi};
+      },
+      [&](int64_t t) {
+        const RoundStep& s = steps[t];
+        if (s.phase == 0) {
+          task(s.round, s.bi, s.bj);
+        } else {
+          column_task(s.round, s.bi, s.bj);
+        }
+      });
 }
 
 // The tile rows · colsᵀ of S. A diagonal tile (cols the same rows: S_II,
