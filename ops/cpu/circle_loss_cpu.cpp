@@ -278,10 +278,8 @@ struct ScaledSum {
     acc.narrow(0, row0, product.size(0)).add_(product, std::exp(m - scale));
   }
 
-  // out += exp(scale - lse)·acc, the sum as exp(z - lse) would have weighted it.
-  void add_at_lse(at::Tensor& out, double lse) const {
-    if (!empty()) out.add_(acc, std::exp(scale - lse));
-  }
+  // exp(scale - lse): the factor that weights the sum as exp(z - lse) would have.
+  double factor_at(double lse) const { return std::exp(scale - lse); }
 };
 
 // Groups of consecutive classes no taller than this share one product of
@@ -336,10 +334,9 @@ std::pair<double, at::Tensor> loss_and_gradient_once(
   // Per block: negative and positive sums of the rows it holds as a row
   // block and as a column block; one writer each per round.
   enum { kNegRow, kNegCol, kPosRow, kPosCol, kSums };
-  // One allocation for the sums and the gradient: glibc keeps it from call
-  // to call, where many smaller ones went back to the OS and were faulted in
-  // again.
-  at::Tensor workspace = at::empty({kSums + 1, batch, f.size(1)}, f.options());
+  // One allocation for the sums: glibc keeps it from call to call, where
+  // many smaller ones went back to the OS and were faulted in again.
+  at::Tensor workspace = at::empty({kSums, batch, f.size(1)}, f.options());
   std::vector<std::array<ScaledSum, kSums>> sums(blocks);
   for (int64_t b = 0; b < blocks; ++b) {
     for (int k = 0; k < kSums; ++k) sums[b][k].acc = block_of(workspace[k], b);
@@ -380,16 +377,40 @@ std::pair<double, at::Tensor> loss_and_gradient_once(
   if (scalars.grad_scale == 0.0) {
     return {scalars.loss, at::zeros_like(f)}; // no negative pair (docs/math.md, "Numerical policy"): loss 0, gradient 0
   }
-  at::Tensor grad_sorted = workspace[kSums].zero_();
-  for (int64_t b = 0; b < blocks; ++b) {
-    at::Tensor out = block_of(grad_sorted, b);
-    sums[b][kNegRow].add_at_lse(out, scalars.lse_negative);
-    sums[b][kNegCol].add_at_lse(out, scalars.lse_negative);
-    sums[b][kPosRow].add_at_lse(out, scalars.lse_positive);
-    sums[b][kPosCol].add_at_lse(out, scalars.lse_positive);
-    out.mul_(scalars.grad_scale);
-  }
-  return {scalars.loss, at::empty_like(f).index_copy_(0, in.order, grad_sorted)};
+  // Row k of the class order goes to row order[k] of the gradient, made in
+  // one pass over the four sums of its block, each at its LSE.
+  at::Tensor grad = at::empty_like(f);
+  const int64_t dim = f.size(1);
+  const std::vector<T> no_sum(dim, T(0)); // stands in for a sum nothing was added to
+  const int64_t* order = in.order.data_ptr<int64_t>();
+  T* out = grad.data_ptr<T>();
+  for_each_task(blocks, [&](int64_t b) {
+    std::array<const T*, kSums> acc;
+    std::array<int64_t, kSums> stride;
+    std::array<T, kSums> weight;
+    for (int k = 0; k < kSums; ++k) {
+      const ScaledSum& sum = sums[b][k];
+      const double lse = (k == kPosRow || k == kPosCol) ? scalars.lse_positive : scalars.lse_negative;
+      acc[k] = sum.empty() ? no_sum.data() : sum.acc.template data_ptr<T>();
+      stride[k] = sum.empty() ? 0 : dim;
+      weight[k] = sum.empty() ? T(0) : static_cast<T>(scalars.grad_scale * sum.factor_at(lse));
+    }
+    const int64_t row0 = b * kTile, rows = std::min(kTile, batch - row0);
+    run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
+      for (int64_t r = 0; r < rows; ++r) {
+        T* __restrict__ dst = out + order[row0 + r] * dim;
+        const T* __restrict__ a0 = acc[0] + r * stride[0];
+        const T* __restrict__ a1 = acc[1] + r * stride[1];
+        const T* __restrict__ a2 = acc[2] + r * stride[2];
+        const T* __restrict__ a3 = acc[3] + r * stride[3];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) {
+          dst[d] = weight[0] * a0[d] + weight[1] * a1[d] + weight[2] * a2[d] + weight[3] * a3[d];
+        }
+      }
+    });
+  });
+  return {scalars.loss, grad};
 }
 
 // Σ_j G_ij cols_j for every row i of a block against another block: each
