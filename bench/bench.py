@@ -6,9 +6,10 @@ forward+backward, over B and the label distribution.
     python bench/bench.py --device cuda --sizes 256 4096 16384 65536 --classes 2 10 100 1000 B
 
 Every (B, classes) also times the GEMM F·Fᵀ of the same size and dtype, and
-the table gives each op's time in GEMM-equivalents (its time over the GEMM's,
-both from this run): the figure that says how near the op runs to the rate of
-the matrix product it cannot do without. "--classes B" draws B classes for a
+the table gives each op's time in GEMM-equivalents: its time over the GEMM's,
+the two timed in alternating blocks, so that machine drift within the run
+cancels. That is the figure that says how near the op runs to the rate of the
+matrix product it cannot do without. "--classes B" draws B classes for a
 batch of B (almost every label distinct).
 
 Prints a table (median times, speed-ups over eager, extra peak memory) and
@@ -25,6 +26,7 @@ import csv
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -100,10 +102,26 @@ def forward_backward_graph(features, labels) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def median_seconds(stmt_fn, min_run_time) -> float:
+def timer_of(stmt_fn) -> benchmark.Timer:
     # Timer runs single-threaded unless told otherwise.
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": stmt_fn}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median
+    return benchmark.Timer(stmt="fn()", globals={"fn": stmt_fn}, num_threads=torch.get_num_threads())
+
+
+def median_seconds(stmt_fn, min_run_time) -> float:
+    return timer_of(stmt_fn).blocked_autorange(min_run_time=min_run_time).median
+
+
+def paired_median_seconds(stmt_fn, yardstick_fn, min_run_time, alternations=5) -> tuple[float, float]:
+    """Medians of stmt_fn and of the yardstick, timed in alternating blocks
+    so that both see the machine in the same state: on a shared VM the GEMM's
+    own time drifts by tens of percent within a run, and a ratio of times
+    taken minutes apart carries that drift."""
+    timers = (timer_of(stmt_fn), timer_of(yardstick_fn))
+    times = ([], [])
+    for _ in range(alternations):
+        for timer, samples in zip(timers, times):
+            samples += timer.blocked_autorange(min_run_time=min_run_time / alternations).times
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def cuda_extra_peak_bytes(fn) -> int:
@@ -169,7 +187,12 @@ def measure(name, fn, mode, features, labels, classes, with_memory, args) -> dic
     try:
         with torch.no_grad() if mode == "fwd" else torch.enable_grad():
             call()  # warm-up (and compilation)
-            row["seconds"] = median_seconds(call, args.min_run_time)
+            if name in OPS:
+                # The op's time in GEMM-equivalents: against F·Fᵀ timed beside it.
+                row["seconds"], row["gemm_seconds"] = paired_median_seconds(
+                    call, lambda: gemm(features, labels), args.min_run_time)
+            else:
+                row["seconds"] = median_seconds(call, args.min_run_time)
             if device.type == "cuda" and with_memory:
                 row["peak_bytes"] = cuda_extra_peak_bytes(call)
         if device.type == "cpu" and with_memory and name in (*OPS, "eager"):
@@ -195,7 +218,7 @@ def run(args) -> list[dict]:
         for batch in args.sizes:
             classes = class_counts(spec, batch)
             features, labels = make_inputs(batch, args.dim, classes, device, dtype)
-            todo = [("GEMM F·Fᵀ", gemm, ("fwd",))] + [(name, fn, ("fwd", "fwd+bwd")) for name, fn in OPS.items()]
+            todo = [(name, fn, ("fwd", "fwd+bwd")) for name, fn in OPS.items()]
             if batch <= args.max_reference_batch:
                 todo += [(name, fn, ("fwd", "fwd+bwd")) for name, fn in references.items()]
             for name, fn, modes in todo:
@@ -257,15 +280,23 @@ def format_memory(r) -> str:
     return f"{r['peak_bytes'] / 2**20:.1f} MiB"
 
 
+def gemm_equivalents(row) -> str:
+    """An op row's time over that of the GEMM F·Fᵀ timed beside it."""
+    if not row or "seconds" not in row or "gemm_seconds" not in row:
+        return "—"
+    return f"{row['seconds'] / row['gemm_seconds']:.2f}"
+
+
 def table(rows) -> str:
     """Markdown table: one line per (B, classes, mode): both ops in time and
-    in GEMM-equivalents, against eager and compile."""
+    in GEMM-equivalents, against eager and compile; the GEMM column is the
+    F·Fᵀ timed beside circle::loss in that line."""
     by_key = {(r["method"], r["B"], r.get("classes"), r["mode"]): r for r in rows}
 
-    def ratio(a, b, suffix="×"):
+    def speedup(a, b):
         if not a or not b or "seconds" not in a or "seconds" not in b:
             return "—"
-        return f"{b['seconds'] / a['seconds']:.{1 if suffix else 2}f}{suffix}"
+        return f"{b['seconds'] / a['seconds']:.1f}×"
 
     lines = [
         "| B | classes | mode | op | op in GEMMs | anchor_loss | anchor in GEMMs | eager | compile | "
@@ -275,16 +306,16 @@ def table(rows) -> str:
     keys = sorted({(r["B"], r["classes"]) for r in rows if r["method"] == "op"},
                   key=lambda k: (k[0], k[1] == "B", int(k[1]) if k[1] != "B" else 0))
     for batch, classes in keys:
-        gemm_row = by_key.get(("GEMM F·Fᵀ", batch, classes, "fwd"))
         for mode in ("fwd", "fwd+bwd"):
             op, anchor, eager, comp = (by_key.get((m, batch, classes, mode)) for m in ("op", "anchor", "eager", "compile"))
+            gemm_beside_op = {"seconds": op["gemm_seconds"]} if op and "gemm_seconds" in op else None
             lines.append(
-                f"| {batch} | {classes} | {mode} | {format_time(op)} | {ratio(gemm_row, op, '')} | "
-                f"{format_time(anchor)} | {ratio(gemm_row, anchor, '')} | {format_time(eager)} | {format_time(comp)} | "
-                f"{ratio(op, eager)} | {ratio(op, comp)} | {format_time(gemm_row)} | {format_memory(op)} | "
+                f"| {batch} | {classes} | {mode} | {format_time(op)} | {gemm_equivalents(op)} | "
+                f"{format_time(anchor)} | {gemm_equivalents(anchor)} | {format_time(eager)} | {format_time(comp)} | "
+                f"{speedup(op, eager)} | {speedup(op, comp)} | {format_time(gemm_beside_op)} | {format_memory(op)} | "
                 f"{format_memory(eager)} |"
             )
-    extras = [r for r in rows if r["method"] not in ("op", "anchor", "eager", "compile", "GEMM F·Fᵀ")]
+    extras = [r for r in rows if r["method"] not in ("op", "anchor", "eager", "compile")]
     if extras:
         lines += ["", "| floor | B | time |", "|---|---|---|"]
         lines += [f"| {r['method']} | {r['B']} | {format_time(r)} |" for r in extras]
@@ -292,24 +323,19 @@ def table(rows) -> str:
 
 
 def gemm_table(rows) -> str:
-    """Markdown table of both ops in GEMM-equivalents (time over F·Fᵀ's in
-    this run), one line per (B, mode), one column per label distribution."""
+    """Markdown table of both ops in GEMM-equivalents (time over that of
+    F·Fᵀ timed beside it), one line per (B, mode), one column per label
+    distribution."""
     by_key = {(r["method"], r["B"], r.get("classes"), r["mode"]): r for r in rows}
     distributions = list(dict.fromkeys(r["classes"] for r in rows if r["method"] == "op"))
     lines = [
         "| B | mode | " + " | ".join(f"{c} classes" for c in distributions) + " |",
         "|---|---|" + "---|" * len(distributions),
     ]
-
-    def equivalents(method, batch, classes, mode):
-        op, gemm_row = by_key.get((method, batch, classes, mode)), by_key.get(("GEMM F·Fᵀ", batch, classes, "fwd"))
-        if not op or not gemm_row or "seconds" not in op or "seconds" not in gemm_row:
-            return "—"
-        return f"{op['seconds'] / gemm_row['seconds']:.2f}"
-
     for batch in sorted({r["B"] for r in rows if r["method"] == "op"}):
         for mode in ("fwd", "fwd+bwd"):
-            cells = [f"{equivalents('op', batch, c, mode)} / {equivalents('anchor', batch, c, mode)}"
+            cells = [f"{gemm_equivalents(by_key.get(('op', batch, c, mode)))} / "
+                     f"{gemm_equivalents(by_key.get(('anchor', batch, c, mode)))}"
                      for c in distributions]
             lines.append(f"| {batch} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
