@@ -1,5 +1,6 @@
 // What lets the CPU tile loops run as wide vector code: an exp that a loop
-// can inline, and a build of each loop for AVX2 with FMA, chosen at run time.
+// can inline, and builds of each loop for AVX-512 and for AVX2 with FMA, one
+// of them chosen at run time.
 #pragma once
 
 #include <ATen/Version.h>
@@ -9,12 +10,12 @@
 #include <limits>
 #include <string>
 
-// Where the AVX2 build can be made: x86-64 compilers that take GCC's target
+// Where the wide builds can be made: x86-64 compilers that take GCC's target
 // attribute (GCC, Clang).
 #if defined(__x86_64__) && defined(__GNUC__)
-#define CIRCLE_LOSS_AVX2_BUILD 1
+#define CIRCLE_LOSS_WIDE_BUILDS 1
 #else
-#define CIRCLE_LOSS_AVX2_BUILD 0
+#define CIRCLE_LOSS_WIDE_BUILDS 0
 #endif
 
 namespace circle_loss {
@@ -93,47 +94,67 @@ __attribute__((always_inline)) inline T inline_exp(T x) {
   return x > C::kCeiling ? std::numeric_limits<T>::infinity() : e;
 }
 
-// Whether the loops take their AVX2 + FMA build: where ATen's own kernels
-// take AVX2 or wider (its CPU capability, which the ATEN_CPU_CAPABILITY
-// environment variable can lower, e.g. to "default" to test the other build).
-inline bool wide_vectors() {
-#if CIRCLE_LOSS_AVX2_BUILD
-  static const bool wide = [] {
+// The build of the loops that runs: the widest that ATen's own kernels take
+// (its CPU capability, which the ATEN_CPU_CAPABILITY environment variable can
+// lower, e.g. to "avx2" or "default" to test the other builds) and the CPU has.
+enum class VectorBuild { kBaseline, kAvx2, kAvx512 };
+
+inline VectorBuild vector_build() {
+#if CIRCLE_LOSS_WIDE_BUILDS
+  static const VectorBuild build = [] {
     const std::string capability = at::get_cpu_capability();
-    return (capability == "AVX2" || capability == "AVX512") && __builtin_cpu_supports("avx2") &&
-        __builtin_cpu_supports("fma");
+    if (capability == "AVX512" && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw")) {
+      return VectorBuild::kAvx512;
+    }
+    if ((capability == "AVX2" || capability == "AVX512") && __builtin_cpu_supports("avx2") &&
+        __builtin_cpu_supports("fma")) {
+      return VectorBuild::kAvx2;
+    }
+    return VectorBuild::kBaseline;
   }();
-  return wide;
+  return build;
 #else
-  return false;
+  return VectorBuild::kBaseline;
 #endif
 }
 
-#if CIRCLE_LOSS_AVX2_BUILD
+#if CIRCLE_LOSS_WIDE_BUILDS
 template <typename Loop>
 __attribute__((target("avx2,fma"))) void run_avx2(Loop loop) {
   loop();
 }
+
+template <typename Loop>
+__attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,avx2,fma"))) void run_avx512(Loop loop) {
+  loop();
+}
 #endif
 
-// Runs loop(), a lambda marked CIRCLE_LOSS_VECTOR_LOOP, compiled for AVX2 and
-// FMA where wide_vectors() says so and for the baseline target elsewhere. The
-// lambda is inlined into each caller and so compiled twice; the functions it
-// calls must inline too (inline_exp, PairLogit), or they stay baseline code.
-// It captures by value (pointers and scalars) and is taken by value, so that
-// its captures are registers, not memory the loop's stores might alias; its
-// elementwise loops carry `omp simd` (no iteration depends on another), as
-// GCC otherwise guards them with run-time overlap tests that can send them
-// down the scalar path. FMA contraction makes the two builds round
-// differently, each the same from run to run and for any thread count.
+// Runs loop(), a lambda marked CIRCLE_LOSS_VECTOR_LOOP, compiled for the
+// build vector_build() names. The lambda is inlined into each caller and so
+// compiled three times; the functions it calls must inline too (inline_exp,
+// PairLogit), or they stay baseline code. It captures by value (pointers and
+// scalars) and is taken by value, so that its captures are registers, not
+// memory the loop's stores might alias; its elementwise loops carry `omp
+// simd` (no iteration depends on another), as GCC otherwise guards them with
+// run-time overlap tests that can send them down the scalar path. FMA
+// contraction and the vector width make the builds round differently, each
+// the same from run to run and for any thread count.
 #define CIRCLE_LOSS_VECTOR_LOOP __attribute__((always_inline))
 
 template <typename Loop>
 inline void run_vectorised(Loop loop) {
-#if CIRCLE_LOSS_AVX2_BUILD
-  if (wide_vectors()) {
-    run_avx2(loop);
-    return;
+#if CIRCLE_LOSS_WIDE_BUILDS
+  switch (vector_build()) {
+    case VectorBuild::kAvx512:
+      run_avx512(loop);
+      return;
+    case VectorBuild::kAvx2:
+      run_avx2(loop);
+      return;
+    case VectorBuild::kBaseline:
+      break;
   }
 #endif
   loop();
