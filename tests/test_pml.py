@@ -2,6 +2,7 @@
 itself: the same loss and gradients in every way PML users call it."""
 
 import copy
+import math
 import subprocess
 import sys
 
@@ -16,6 +17,20 @@ from conftest import make_inputs  # noqa: E402
 from reference import relative_error  # noqa: E402
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}
+# PML's softplus is torch's, which returns x itself above x = 20, where the
+# op computes softplus exactly: a row whose Z lies just above 20 differs by
+# log1p(e^-Z) < e^-20 = 2.1e-9 in its loss (under 1.1e-10 of it) and by as
+# much, relatively, in its gradient (slope 1 against σ(Z)). Measured against
+# PML, float64 allows that gap.
+SOFTPLUS_GAP = math.exp(-20.0)
+
+
+def loss_tolerance(dtype):
+    return TOLERANCE[dtype] + SOFTPLUS_GAP / 20.0
+
+
+def grad_tolerance(dtype):
+    return 10 * TOLERANCE[dtype] + SOFTPLUS_GAP
 
 
 def compare(make_loss, call, inputs, dtype, fused=True):
@@ -32,9 +47,9 @@ def compare(make_loss, call, inputs, dtype, fused=True):
         results.append((value.detach(), [x.grad for x in leaves if x.is_floating_point()]))
     (expected, expected_grads), (got, got_grads) = results
     assert got.shape == expected.shape and got.dtype == expected.dtype
-    assert relative_error(got, expected) <= TOLERANCE[dtype], (got, expected)
+    assert relative_error(got, expected) <= loss_tolerance(dtype), (got, expected)
     for g, e in zip(got_grads, expected_grads):
-        assert relative_error(g, e) <= TOLERANCE[dtype] * 10
+        assert relative_error(g, e) <= grad_tolerance(dtype)
 
 
 def unnormalised(batch, dim, classes, device, dtype):
@@ -134,8 +149,8 @@ def test_inside_cross_batch_memory(device):
             loss = memory(leaf, y)
             loss.backward()
             results.append((loss.detach(), leaf.grad))
-        assert relative_error(results[1][0], results[0][0]) <= TOLERANCE[torch.float32]
-        assert relative_error(results[1][1], results[0][1]) <= 10 * TOLERANCE[torch.float32]
+        assert relative_error(results[1][0], results[0][0]) <= loss_tolerance(torch.float32)
+        assert relative_error(results[1][1], results[0][1]) <= grad_tolerance(torch.float32)
 
 
 def run_memories(make_pml, make_ours, batches, dtype, device, call=lambda memory, x, y: memory(x, y)):
@@ -150,13 +165,13 @@ def run_memories(make_pml, make_ours, batches, dtype, device, call=lambda memory
             loss = call(memory, leaf, y)
             loss.backward()
             results.append((loss.detach(), leaf.grad))
-        assert relative_error(results[1][0], results[0][0]) <= TOLERANCE[dtype], results
+        assert relative_error(results[1][0], results[0][0]) <= loss_tolerance(dtype), results
         # A batch of one whose negatives all lie below -m (their weights clamp to
         # zero) gets its gradient from the pair with its own copy alone, which
         # PML keeps there. That gradient is zero in exact arithmetic: d(x̂·x̂)/dx̂
         # is radial and the normalisation's backward projects it out. What
         # remains is rounding, about 1e-11 in float32, so such norms count as 1e-6.
-        assert relative_error(results[1][1], results[0][1], floor=1e-6) <= 10 * TOLERANCE[dtype]
+        assert relative_error(results[1][1], results[0][1], floor=1e-6) <= grad_tolerance(dtype)
         assert our_memory.queue_idx == pml_memory.queue_idx
         assert torch.equal(our_memory.embedding_memory, pml_memory.embedding_memory)
 
