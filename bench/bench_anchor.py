@@ -1,8 +1,9 @@
 """Side-by-side benchmark of the per-anchor form: torch.ops.circle.anchor_loss
 against circle::loss on the same inputs, and the drop-in
 circle_loss.pml.CircleLoss against pytorch-metric-learning's CircleLoss,
-forward and forward+backward, with extra peak memory and the GEMM Q·Rᵀ of the
-same size as the yardstick.
+forward and forward+backward, with extra peak memory, and anchor_loss's time
+in GEMM-equivalents: over that of the GEMM Q·Rᵀ of the same size, the two
+timed in alternating blocks.
 
     python bench/bench_anchor.py                       # CPU, or CUDA when present
     python bench/bench_anchor.py --device cuda --sizes 256 4096 16384 --refs 256:65536 --classes 10 100
@@ -38,8 +39,10 @@ from bench import (  # noqa: E402  (bench/bench.py, beside this script)
     format_memory,
     format_row,
     format_time,
+    gemm_equivalents,
     is_out_of_memory,
     median_seconds,
+    paired_median_seconds,
 )
 
 MARGIN, GAMMA = circle_loss.ANCHOR_DEFAULT_MARGIN, circle_loss.ANCHOR_DEFAULT_GAMMA
@@ -117,12 +120,16 @@ def cpu_memory_probe(method, mode, batch, refs, dim, dtype, classes) -> None:
     print(_status_bytes("VmHWM") - base)
 
 
-def measure(row, call, device, min_run_time, cpu_peak=None) -> dict:
+def measure(row, call, device, min_run_time, cpu_peak=None, gemm=None) -> dict:
     """row with the median time of call() and its extra peak memory (on CUDA,
-    or from cpu_peak() on CPU), or why it was skipped; printed as it lands."""
+    or from cpu_peak() on CPU), or why it was skipped; printed as it lands.
+    With gemm, call() is timed beside it, for its time in GEMM-equivalents."""
     try:
         call()
-        row["seconds"] = median_seconds(call, min_run_time)
+        if gemm is not None:
+            row["seconds"], row["gemm_seconds"] = paired_median_seconds(call, gemm, min_run_time)
+        else:
+            row["seconds"] = median_seconds(call, min_run_time)
         if device.type == "cuda":
             row["peak_bytes"] = cuda_extra_peak_bytes(call)
         elif cpu_peak is not None:
@@ -147,6 +154,7 @@ def run(args) -> list[dict]:
         for batch, refs in shapes:
             x, y, r, ry = make_raw_inputs(batch, refs, args.dim, classes, device, dtype)
             leaves = (x.clone().requires_grad_(), y, None if r is None else r.clone().requires_grad_(), ry)
+            gemm = (lambda a=x.detach(), b=(x if r is None else r).detach(): a @ b.T)
             for name, fn in found.items():
                 if name == "circle::loss" and refs is not None:
                     continue  # the global op has no reference set
@@ -161,20 +169,12 @@ def run(args) -> list[dict]:
                     call = (lambda s=step, i=inputs: s(*i))
                     cpu_peak = None if args.no_cpu_memory else (
                         lambda n=name, m=mode: cpu_extra_peak_bytes(n, m, batch, refs, args.dim, args.dtype, classes))
-                    rows.append(measure(row, call, device, args.min_run_time, cpu_peak))
+                    rows.append(measure(row, call, device, args.min_run_time, cpu_peak,
+                                        gemm if name == "anchor_loss" else None))
             if device.type == "cuda":
                 rows.append(op_alone_peak(batch, refs, classes, x, y, r, ry, args))
                 print(anchor_row(rows[-1]), flush=True)
-            gemm = (lambda a=x, b=(x if r is None else r): a @ b.T)
-            try:
-                gemm()
-                rows.append(dict(method="GEMM Q·Rᵀ", B=batch, M=refs, classes=classes, mode="fwd",
-                                 seconds=median_seconds(gemm, args.min_run_time)))
-                print(anchor_row(rows[-1]), flush=True)
-            except Exception as error:
-                if not is_out_of_memory(error):
-                    raise
-            del x, r, leaves
+            del x, r, leaves, gemm
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -221,6 +221,7 @@ def run_banks(args, found) -> list[dict]:
             x, y, bank, bank_labels = make_raw_inputs(batch, size, args.dim, classes, device, dtype)
             copies = torch.arange(size - batch // 2, size - batch // 2 + batch, device=device) % size  # wraps round
             bank[copies], bank_labels[copies] = x, y
+            gemm = (lambda a=x, b=bank: a @ b.T)
             for name, fn in bank_methods(size, args.dim, found).items():
                 if name.startswith("PML") and batch * size > args.max_pml_pairs:
                     continue
@@ -232,12 +233,9 @@ def run_banks(args, found) -> list[dict]:
                         call = (lambda f=fn, q=query: f(q, y, bank, bank_labels, copies).detach())
                     else:
                         call = (lambda f=fn, q=query: torch.autograd.grad(f(q, y, bank, bank_labels, copies), [q]))
-                    rows.append(measure(row, call, device, args.min_run_time))
-            gemm = (lambda a=x, b=bank: a @ b.T)
-            rows.append(dict(method="GEMM Q·Rᵀ", B=batch, M=size, classes=classes, mode="fwd", bank=True,
-                             seconds=median_seconds(gemm, args.min_run_time)))
-            print(anchor_row(rows[-1]), flush=True)
-            del x, bank
+                    rows.append(measure(row, call, device, args.min_run_time,
+                                        gemm=gemm if name == "anchor_loss, bank" else None))
+            del x, bank, gemm
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -273,12 +271,11 @@ def bank_table(rows) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for batch, size, classes in sorted({(r["B"], r["M"], r["classes"]) for r in rows}):
-        gemm = by_key.get(("GEMM Q·Rᵀ", batch, size, classes, "fwd"))
         for mode in ("fwd", "fwd+bwd"):
             get = lambda name: by_key.get((name, batch, size, classes, mode))  # noqa: E731
             op, drop, pml = get("anchor_loss, bank"), get("drop-in CrossBatchMemory"), get("PML CrossBatchMemory")
             lines.append(
-                f"| {batch} | {size} | {classes} | {mode} | {format_time(op)} | {ratio(op, gemm).rstrip('×')} | "
+                f"| {batch} | {size} | {classes} | {mode} | {format_time(op)} | {gemm_equivalents(op)} | "
                 f"{format_time(drop)} | {format_time(pml)} | {ratio(pml, drop)} | {format_memory(drop)} | "
                 f"{format_memory(pml)} |"
             )
@@ -296,7 +293,6 @@ def table(rows) -> str:
     keys = sorted({(r["B"], r.get("M") or 0, r["classes"]) for r in rows if r["method"] == "anchor_loss"})
     for batch, refs, classes in keys:
         m = refs or None
-        gemm = by_key.get(("GEMM Q·Rᵀ", batch, m, classes, "fwd"))
         for mode in ("fwd", "fwd+bwd"):
             get = lambda name: by_key.get((name, batch, m, classes, mode))  # noqa: E731
             anchor, glob, drop, pml = get("anchor_loss"), get("circle::loss"), get("drop-in"), get("PML")
@@ -304,7 +300,7 @@ def table(rows) -> str:
                 pml = by_key.get(("PML", batch, m, classes, "fwd+bwd")) if mode == "fwd+bwd" else None
             lines.append(
                 f"| {batch} | {refs or '—'} | {classes} | {mode} | {format_time(anchor)} | {format_time(glob)} | {ratio(anchor, glob)} | "
-                f"{ratio(anchor, gemm).rstrip('×')} | {format_time(drop)} | {format_time(pml)} | {ratio(pml, drop)} | {format_memory(anchor)} | "
+                f"{gemm_equivalents(anchor)} | {format_time(drop)} | {format_time(pml)} | {ratio(pml, drop)} | {format_memory(anchor)} | "
                 f"{format_memory(pml)} |"
             )
     alone = [r for r in rows if r["method"] == "anchor_loss op alone"]
