@@ -126,9 +126,10 @@ inline std::vector<RoundStep> symmetric_round_steps(int64_t blocks, int64_t phas
   return steps;
 }
 
-// task(round, bi, bj) for every tile, where a task may write one accumulator
-// kept by its row block bi and one kept by its column block bj: each
-// accumulator has one writer a round, and sums in round order.
+// task(round, bi, bj) for every tile, where a task may write what is kept by
+// its row block bi (for the block as a row block) and what is kept by its
+// column block bj (as a column block): each has one writer a round, and sums
+// in round order.
 template <typename Task>
 inline void for_each_symmetric_round(int64_t blocks, const Task& task) {
   const std::vector<RoundStep> steps = symmetric_round_steps(blocks, 1);
