@@ -217,6 +217,24 @@ def test_nan_propagates(device):
     assert torch.isnan(losses[3])
 
 
+# The CPU kernels sum a tile's exps against one shift per set where every
+# row's and column's largest logit lies near it, and against each row's and
+# column's own where they lie far apart (ops/cpu/anchor_loss_cpu.cpp): here a
+# positive pair of opposite rows in different tiles (z ≈ 1000, about 250
+# elsewhere). Each row's loss is held to the reference, not only the norm.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_tiles_of_far_apart_logits(device, dtype):
+    features, labels = make_inputs(300, 16, 3, device, torch.float64)
+    labels[280] = labels[0]
+    features[280] = -features[0]
+    features = features.to(dtype)
+    assert_anchor_matches_reference(features, labels, margin=0.25, gamma=256.0)
+    losses = torch.ops.circle.anchor_loss(features, labels, None, None, 0.25, 256.0)
+    ref_losses = anchor_reference_and_grads(features, labels, margin=0.25, gamma=256.0)[0]
+    row_errors = (losses.double() - ref_losses).abs() / ref_losses.abs().clamp_min(1.0)
+    assert row_errors.max() <= TOLERANCE[dtype][0], row_errors.max()
+
+
 def test_bitwise_deterministic_for_any_thread_count(device):
     features, labels = make_inputs(700, 32, 6, device)
     ref, ref_labels = make_inputs(300, 32, 6, device)

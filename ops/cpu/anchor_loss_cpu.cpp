@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -124,11 +125,39 @@ inline T shifted_argument(T z, T m) {
   return d;
 }
 
+// The shift R of a set's sums in a tile: the largest finite maximum of its
+// rows (the columns' share it), and whether every finite row and column
+// maximum lies within kSharedShiftSpan of it. An inf logit does not fit.
+template <typename T>
+struct SharedShift {
+  T value = -std::numeric_limits<T>::infinity();
+  bool fits = true;
+
+  SharedShift(const T* row_max, int64_t rows, const T* col_max, int64_t cols) {
+    for (int64_t k = 0; k < rows; ++k) {
+      fits = fits && row_max[k] != std::numeric_limits<T>::infinity();
+      if (std::isfinite(row_max[k])) value = std::max(value, row_max[k]);
+    }
+    fits = fits && within(row_max, rows) && within(col_max, cols);
+  }
+
+ private:
+  bool within(const T* m, int64_t n) const {
+    for (int64_t k = 0; k < n; ++k) {
+      if (std::isfinite(m[k]) && value - m[k] > kSharedShiftSpan<T>) return false;
+    }
+    return true;
+  }
+};
+
 // Merges the tile's LSE states into its rows' (row_states[0, R)) and, with
 // kColumns, its columns' (col_states[0, C)), in two passes over the tile
 // that serve both: the maxima, then the sums of exp(z - max). A row's
 // maximum and sum are `omp simd` reductions, so that they run in vector
-// lanes beside the elementwise column updates.
+// lanes beside the elementwise column updates. With kColumns, where every
+// row's and column's maximum of a set lies within kSharedShiftSpan of the
+// set's largest, R, the sums are taken against R: one exp an entry serves
+// its row and its column, and the states merge as (R, sum).
 template <bool kColumns, typename T>
 void merge_tile_states(const PairTile<T>& tile, PairStates<double>* row_states, PairStates<double>* col_states) {
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
@@ -167,6 +196,44 @@ void merge_tile_states(const PairTile<T>& tile, PairStates<double>* row_states, 
       row_max_pos[i] = max_pos;
       row_max_neg[i] = max_neg;
     }
+  });
+  if constexpr (kColumns) {
+    const SharedShift<T> shift_pos(row_max_pos, n_rows, col_max_pos, n_cols);
+    const SharedShift<T> shift_neg(row_max_neg, n_rows, col_max_neg, n_cols);
+    if (shift_pos.fits && shift_neg.fits) {
+      const T r_pos = shift_pos.value, r_neg = shift_neg.value;
+      run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
+        for (int64_t i = 0; i < n_rows; ++i) {
+          const T* __restrict__ zi = zs + i * n_cols;
+          const int32_t yi = x[i];
+          T sum_pos = 0, sum_neg = 0;
+#pragma omp simd reduction(+ : sum_pos, sum_neg)
+          for (int64_t j = 0; j < n_cols; ++j) {
+            const bool positive = yi == y[j];
+            const T e = inline_exp(shifted_argument(zi[j], positive ? r_pos : r_neg));
+            const T e_pos = positive ? e : T(0);
+            const T e_neg = positive ? T(0) : e;
+            sum_pos += e_pos;
+            sum_neg += e_neg;
+            col_sum_pos[j] += e_pos;
+            col_sum_neg[j] += e_neg;
+          }
+          row_sum_pos[i] = sum_pos;
+          row_sum_neg[i] = sum_neg;
+        }
+      });
+      for (int64_t i = 0; i < n_rows; ++i) {
+        row_states[i].positive.merge(r_pos, row_sum_pos[i]);
+        row_states[i].negative.merge(r_neg, row_sum_neg[i]);
+      }
+      for (int64_t j = 0; j < n_cols; ++j) {
+        col_states[j].positive.merge(r_pos, col_sum_pos[j]);
+        col_states[j].negative.merge(r_neg, col_sum_neg[j]);
+      }
+      return;
+    }
+  }
+  run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
     for (int64_t i = 0; i < n_rows; ++i) {
       const T* __restrict__ zi = zs + i * n_cols;
       const int32_t yi = x[i];
@@ -227,6 +294,48 @@ struct RowCoefficients {
   View from(int64_t first) const { return {lse_pos.data() + first, lse_neg.data() + first, factor.data() + first}; }
 };
 
+// For W_ij + W_ji from one exp an entry: per set a shift R, the largest LSE
+// of the tile's rows and columns that carry weight, and each one's
+// factor·exp(R - LSE), so that factor·exp(z - LSE) = exp(z - R)·that. It
+// fits where every such LSE is finite and within kSharedShiftSpan of R, so
+// that what exp(z - R) loses under its floor is negligible. A pair whose
+// row and column both carry no weight (factor 0) gets scale 0.
+template <typename T>
+struct SharedWeightScales {
+  using View = typename RowCoefficients<T>::View;
+  std::array<T, 2> shift{-std::numeric_limits<T>::infinity(), -std::numeric_limits<T>::infinity()}; // (P, N)
+  std::vector<T> row_pos, row_neg, col_pos, col_neg;
+  bool fits = true;
+
+  SharedWeightScales(const View& rows, int64_t n_rows, const View& cols, int64_t n_cols)
+      : row_pos(n_rows), row_neg(n_rows), col_pos(n_cols), col_neg(n_cols) {
+    take_shifts(rows, n_rows);
+    take_shifts(cols, n_cols);
+    scale(rows, n_rows, row_pos.data(), row_neg.data());
+    scale(cols, n_cols, col_pos.data(), col_neg.data());
+  }
+
+ private:
+  void take_shifts(const View& v, int64_t n) {
+    for (int64_t k = 0; k < n; ++k) {
+      if (v.factor[k] == T(0)) continue;
+      fits = fits && std::isfinite(v.lse_pos[k]) && std::isfinite(v.lse_neg[k]);
+      shift[0] = std::max(shift[0], v.lse_pos[k]);
+      shift[1] = std::max(shift[1], v.lse_neg[k]);
+    }
+  }
+
+  void scale(const View& v, int64_t n, T* pos, T* neg) {
+    for (int64_t k = 0; k < n; ++k) {
+      const bool weighted = v.factor[k] != T(0);
+      fits = fits && (!weighted || (shift[0] - v.lse_pos[k] <= kSharedShiftSpan<T> &&
+                                    shift[1] - v.lse_neg[k] <= kSharedShiftSpan<T>));
+      pos[k] = weighted ? v.factor[k] * std::exp(shift[0] - v.lse_pos[k]) : T(0);
+      neg[k] = weighted ? v.factor[k] * std::exp(shift[1] - v.lse_neg[k]) : T(0);
+    }
+  }
+};
+
 // The tile of weights W_ij (with col_view: W_ij + W_ji) for rows × cols,
 // made from the tile of S in one pass; the left-out pairs get 0.
 template <typename T>
@@ -245,15 +354,41 @@ at::Tensor tile_weights(
   T* ws = weights.data_ptr<T>();
   const int32_t* __restrict__ x = row_ids;
   const int32_t* __restrict__ y = col_ids;
-  run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
-    for (int64_t i = 0; i < n_rows; ++i) {
-      T* __restrict__ wi = ws + i * n_cols;
-      const int32_t yi = x[i];
-      const T row_pos = row_view.lse_pos[i], row_neg = row_view.lse_neg[i], row_factor = row_view.factor[i];
-      if (col_view != nullptr) {
-        const T* __restrict__ col_pos = col_view->lse_pos;
-        const T* __restrict__ col_neg = col_view->lse_neg;
-        const T* __restrict__ col_factor = col_view->factor;
+  const std::optional<SharedWeightScales<T>> shared =
+      col_view == nullptr ? std::nullopt : std::make_optional<SharedWeightScales<T>>(row_view, n_rows, *col_view, n_cols);
+  if (shared && shared->fits) {
+    const T shift_pos = shared->shift[0], shift_neg = shared->shift[1];
+    const T* __restrict__ row_pos = shared->row_pos.data();
+    const T* __restrict__ row_neg = shared->row_neg.data();
+    const T* __restrict__ col_pos = shared->col_pos.data();
+    const T* __restrict__ col_neg = shared->col_neg.data();
+    run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
+      for (int64_t i = 0; i < n_rows; ++i) {
+        T* __restrict__ wi = ws + i * n_cols;
+        const int32_t yi = x[i];
+        const T scale_pos = row_pos[i], scale_neg = row_neg[i];
+#pragma omp simd
+        for (int64_t j = 0; j < n_cols; ++j) {
+          const bool positive = yi == y[j];
+          T slope;
+          const T z = logit(wi[j], positive, &slope);
+          const T e = inline_exp(z - (positive ? shift_pos : shift_neg));
+          const T scale = positive ? scale_pos + col_pos[j] : scale_neg + col_neg[j];
+          // A weightless pair's z may lie past R (a set without weight has
+          // R = -inf): 0, not inf·0. Elsewhere z ≤ its LSE ≤ R.
+          wi[j] = scale == T(0) ? T(0) : e * scale * slope;
+        }
+      }
+    });
+  } else if (shared) {
+    const T* __restrict__ col_pos = col_view->lse_pos;
+    const T* __restrict__ col_neg = col_view->lse_neg;
+    const T* __restrict__ col_factor = col_view->factor;
+    run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
+      for (int64_t i = 0; i < n_rows; ++i) {
+        T* __restrict__ wi = ws + i * n_cols;
+        const int32_t yi = x[i];
+        const T row_pos = row_view.lse_pos[i], row_neg = row_view.lse_neg[i], row_factor = row_view.factor[i];
 #pragma omp simd
         for (int64_t j = 0; j < n_cols; ++j) {
           const bool positive = yi == y[j];
@@ -263,7 +398,14 @@ at::Tensor tile_weights(
           const T by_col = inline_exp(z - (positive ? col_pos[j] : col_neg[j]));
           wi[j] = (row_factor * by_row + col_factor[j] * by_col) * slope;
         }
-      } else {
+      }
+    });
+  } else {
+    run_vectorised([=]() CIRCLE_LOSS_VECTOR_LOOP {
+      for (int64_t i = 0; i < n_rows; ++i) {
+        T* __restrict__ wi = ws + i * n_cols;
+        const int32_t yi = x[i];
+        const T row_pos = row_view.lse_pos[i], row_neg = row_view.lse_neg[i], row_factor = row_view.factor[i];
 #pragma omp simd
         for (int64_t j = 0; j < n_cols; ++j) {
           const bool positive = yi == y[j];
@@ -272,8 +414,8 @@ at::Tensor tile_weights(
           wi[j] = row_factor * inline_exp(z - (positive ? row_pos : row_neg)) * slope;
         }
       }
-    }
-  });
+    });
+  }
   left_out.for_each_in(origin.row0, n_rows, origin.col0, n_cols, [&](int64_t r, int64_t c) {
     weights.data_ptr<T>()[r * n_cols + c] = T(0);
   });

@@ -50,6 +50,13 @@ struct ExpConstants<double> {
   static constexpr int kDegree = 13;
 };
 
+// How far below a shared shift R a row's (or column's) own maximum m may lie
+// for exp(z - R) to stand in for exp(z - m) times exp(m - R): within it, the
+// terms that fall under inline_exp's floor are below exp(kFloor / 2) of the
+// row's largest, and vanish in its sum.
+template <typename T>
+constexpr T kSharedShiftSpan = -ExpConstants<T>::kFloor / 2;
+
 // 1/k!.
 template <typename T>
 constexpr T inverse_factorial(int k) {
