@@ -122,17 +122,17 @@ __global__ void __launch_bounds__(kThreads) strip_weights_kernel(
   });
 }
 
+// Rows of tiles in a band of the tensor-core kernels' grids (common.cuh's
+// grouped tiles): 264 resident CTAs then span 33 columns of 8 rows, 5 MiB of
+// operands, which L2 holds at any batch size.
+constexpr int64_t kTileBand = 8;
+
 // Which tile of S this CTA owns. Symmetric: the tiles on and above the
-// diagonal, row by row (the CTAs of one row of tiles run together and share
-// its features in L2); otherwise every tile, row by row.
-__device__ __forceinline__ void tile_position(bool symmetric, int64_t col_tiles, int64_t* ti, int64_t* tj) {
+// diagonal; otherwise every tile; in bands of kTileBand rows of tiles.
+__device__ __forceinline__ void tile_position(bool symmetric, int64_t row_tiles, int64_t col_tiles, int64_t* ti, int64_t* tj) {
   const int64_t t = blockIdx.x;
-  if (!symmetric) {
-    *ti = t / col_tiles;
-    *tj = t % col_tiles;
-    return;
-  }
-  const TilePosition<int64_t> tile = upper_triangle_tile(t, col_tiles);
+  const TilePosition<int64_t> tile = symmetric ? grouped_upper_triangle_tile(t, col_tiles, kTileBand)
+                                               : grouped_tile(t, row_tiles, col_tiles, kTileBand);
   *ti = tile.row;
   *tj = tile.col;
 }
@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
   __shared__ float scratch[2 * kMmaThreads / 32];
   __shared__ TileLabels labels;
   int64_t ti, tj;
-  tile_position(symmetric, (in.n_cols + kMmaTile - 1) / kMmaTile, &ti, &tj);
+  tile_position(symmetric, (in.n_rows + kMmaTile - 1) / kMmaTile, (in.n_cols + kMmaTile - 1) / kMmaTile, &ti, &tj);
   const int64_t row0 = ti * kMmaTile;
   const int64_t col0 = tj * kMmaTile;
   labels.load(in, row0, col0);
@@ -270,8 +270,8 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
   static_assert(kStride * sizeof(T) % 16 == 0, "staged rows start 16-byte aligned");
   static_assert(kMmaTile * kStride * sizeof(T) <= kMmaSharedBytes - kStageAlignment,
                 "the staged tile fits in the stages");
-  const int64_t row0 = blockIdx.y * static_cast<int64_t>(kMmaTile);
-  const int64_t col0 = blockIdx.x * static_cast<int64_t>(kMmaTile);
+  const int64_t row0 = blockIdx.x * static_cast<int64_t>(kMmaTile);
+  const int64_t col0 = blockIdx.y * static_cast<int64_t>(kMmaTile);
   __shared__ TileLabels labels;
   labels.load(in, row0, col0);
   TileAccumulators tile;
@@ -879,8 +879,10 @@ class StripPasses {
   at::Tensor launch_tile_weights(const Strip& strip, const double* scalars) {
     const at::Tensor weights = workspace_.narrow(0, 0, strip.rows * strip.cols).view({strip.rows, strip.cols});
     if constexpr (kHasMmaTiles<scalar_t>) {
-      const dim3 grid(static_cast<unsigned>((strip.cols + kMmaTile - 1) / kMmaTile),
-                      static_cast<unsigned>((strip.rows + kMmaTile - 1) / kMmaTile));
+      // x over the strip's rows of tiles, the fastest: the CTAs resident at
+      // once share their columns' operand tiles through L2.
+      const dim3 grid(static_cast<unsigned>((strip.rows + kMmaTile - 1) / kMmaTile),
+                      static_cast<unsigned>((strip.cols + kMmaTile - 1) / kMmaTile));
       tile_weights_kernel<scalar_t><<<grid, kMmaThreads, kMmaSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
           TileOperands<scalar_t>{rows_.features.data_ptr<scalar_t>() + strip.row0 * rows_.dim(), row_labels(strip),
                                  strip.rows, cols_.features.data_ptr<scalar_t>() + strip.col0 * cols_.dim(),

@@ -281,6 +281,36 @@ __device__ __forceinline__ TilePosition<Index> upper_triangle_tile(Index index, 
   return {row, row + index - upper_triangle_start<Index>(row, edge)};
 }
 
+// Tiles of a grid taken in bands of `group` rows of tiles, each band column
+// by column, so that the CTAs resident at once share a few columns' operand
+// tiles through L2 as well as the band's rows: taken row by row, a row of
+// tiles reads every column's operand once, and where the operands outgrow
+// L2 (float16 features at B = 65 536: 64 MiB) each tile then reads its
+// column's from memory. Bands start where the row-by-row numbering starts
+// their first row, so a band's tiles keep the same numbers as a set.
+// `edge` × `edge` tiles, (row, col) with col >= row: the upper triangle.
+template <typename Index>
+__device__ __forceinline__ TilePosition<Index> grouped_upper_triangle_tile(Index index, Index edge, Index group) {
+  const Index row0 = upper_triangle_tile(index, edge).row / group * group;
+  const Index rows = edge - row0 < group ? edge - row0 : group;
+  Index k = index - upper_triangle_start(row0, edge);
+  // The band's first `rows` columns: column row0 + c holds rows row0 .. row0 + c.
+  for (Index c = 0; c < rows; ++c) {
+    if (k <= c) return {row0 + k, row0 + c};
+    k -= c + 1;
+  }
+  return {row0 + k % rows, row0 + rows + k / rows};
+}
+
+// Every tile of a row_tiles × col_tiles grid, in the same bands.
+template <typename Index>
+__device__ __forceinline__ TilePosition<Index> grouped_tile(Index index, Index row_tiles, Index col_tiles, Index group) {
+  const Index row0 = index / (group * col_tiles) * group;
+  const Index rows = row_tiles - row0 < group ? row_tiles - row0 : group;
+  const Index k = index - row0 * col_tiles;
+  return {row0 + k % rows, k / rows};
+}
+
 // Programmatic dependent launch (sm_90 on; no-ops before, and in a kernel
 // launched the ordinary way): the first lets the stream's next kernel, if it
 // was launched by launch_dependent, start now; the second waits until the
