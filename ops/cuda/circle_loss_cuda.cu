@@ -123,8 +123,9 @@ __global__ void __launch_bounds__(kThreads) strip_weights_kernel(
 }
 
 // Rows of tiles in a band of the tensor-core kernels' grids (common.cuh's
-// grouped tiles): 264 resident CTAs then span 33 columns of 8 rows, 5 MiB of
-// operands, which L2 holds at any batch size.
+// grouped tiles): the H200's 264 resident CTAs then span 33 columns of 8
+// rows, 41 operand tiles (5 MiB at D = 512), which L2 holds whatever the
+// batch.
 constexpr int64_t kTileBand = 8;
 
 // Which tile of S this CTA owns. Symmetric: the tiles on and above the
