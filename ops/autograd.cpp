@@ -111,21 +111,22 @@ at::Tensor loss_autograd(
   return loss;
 }
 
-std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_below_autograd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_loss_forward_below_autograd(
     const at::Tensor& features,
     const at::Tensor& labels,
     const std::optional<at::Tensor>& ref_features,
     const std::optional<at::Tensor>& ref_labels,
     double margin,
     double gamma,
-    const std::optional<at::Tensor>& ref_self_index) {
+    const std::optional<at::Tensor>& ref_self_index,
+    bool keep_diagonal_tiles) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("circle::_anchor_loss_forward", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(
+                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
                            const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                           const std::optional<at::Tensor>&, double, double, const std::optional<at::Tensor>&)>();
+                           const std::optional<at::Tensor>&, double, double, const std::optional<at::Tensor>&, bool)>();
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return op.call(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+  return op.call(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index, keep_diagonal_tiles);
 }
 
 // The saved optional tensor, or none where the forward had none.
@@ -136,7 +137,9 @@ std::optional<at::Tensor> if_given(const at::Tensor& saved) {
 // circle::anchor_loss: the forward keeps each row's two LSEs, (B, 2), and the
 // backward forms the tiles of S again with the incoming gradient, which
 // weights each row's pairs (it cannot be folded in ahead of time, as the
-// global op's scalar can).
+// global op's scalar can). On the CPU without a reference set the forward
+// also keeps S's tiles on the diagonal, (B, kCpuTile): the backward would
+// otherwise form them again, an eighth of its multiply-adds at B = 1024.
 class AnchorLossFunction : public torch::autograd::Function<AnchorLossFunction> {
  public:
   static constexpr bool is_traceable = true;
@@ -150,11 +153,13 @@ class AnchorLossFunction : public torch::autograd::Function<AnchorLossFunction> 
       double margin,
       double gamma,
       const std::optional<at::Tensor>& ref_self_index) { // (B,)?
-    auto [losses, row_lse] =
-        anchor_loss_forward_below_autograd(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+    const bool keep_diagonal_tiles = features.device().is_cpu() && !is_given(ref_features);
+    auto [losses, row_lse, diagonal_tiles] = anchor_loss_forward_below_autograd(
+        features, labels, ref_features, ref_labels, margin, gamma, ref_self_index, keep_diagonal_tiles);
     const auto or_none = [](const std::optional<at::Tensor>& t) { return is_given(t) ? *t : at::Tensor(); };
     ctx->save_for_backward(
-        {features, labels, or_none(ref_features), or_none(ref_labels), row_lse, or_none(ref_self_index)});
+        {features, labels, or_none(ref_features), or_none(ref_labels), row_lse, or_none(ref_self_index),
+         keep_diagonal_tiles ? diagonal_tiles : at::Tensor()});
     ctx->saved_data["margin"] = margin;
     ctx->saved_data["gamma"] = gamma;
     return losses;
@@ -170,7 +175,8 @@ class AnchorLossFunction : public torch::autograd::Function<AnchorLossFunction> 
                          .typed<std::tuple<at::Tensor, at::Tensor>(
                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                             const at::Tensor&, double, double, const std::optional<at::Tensor>&, bool)>();
+                             const at::Tensor&, double, double, const std::optional<at::Tensor>&, bool,
+                             const std::optional<at::Tensor>&)>();
     const auto saved = ctx->get_saved_variables();
     const std::optional<at::Tensor> ref_features = if_given(saved[2]);
     // Edges exist for the given tensors only: ref_features, when given, is
@@ -179,7 +185,8 @@ class AnchorLossFunction : public torch::autograd::Function<AnchorLossFunction> 
     const bool ref_grad = ref_features.has_value() && ctx->needs_input_grad(2);
     auto [grad_features, grad_ref] = op.call(
         grad_outputs[0], saved[0], saved[1], ref_features, if_given(saved[3]), saved[4],
-        ctx->saved_data["margin"].toDouble(), ctx->saved_data["gamma"].toDouble(), if_given(saved[5]), ref_grad);
+        ctx->saved_data["margin"].toDouble(), ctx->saved_data["gamma"].toDouble(), if_given(saved[5]), ref_grad,
+        if_given(saved[6]));
     return {grad_features, at::Tensor(), ref_grad ? grad_ref : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor()};
   }

@@ -153,6 +153,29 @@ void check_anchor_backward_inputs(
       op, ": grad_losses and row_lse must be on the device of features");
 }
 
+void check_anchor_diagonal_tiles(
+    const std::optional<at::Tensor>& diagonal_tiles, // (B, kCpuTile)?
+    const at::Tensor& features, // (B, D)
+    bool has_ref) {
+  if (!is_given(diagonal_tiles)) return;
+  constexpr const char* op = "circle::_anchor_loss_backward";
+  const at::Tensor& tiles = *diagonal_tiles;
+  TORCH_CHECK(
+      !has_ref,
+      op, ": diagonal_tiles are tiles of S = features featuresᵀ, made without a reference set; got ref_features too");
+  TORCH_SYM_CHECK(
+      tiles.dim() == 2 ? tiles.sym_size(0).sym_eq(features.sym_size(0)).sym_and(tiles.sym_size(1).sym_eq(kCpuTile))
+                       : c10::SymBool(false),
+      op, ": diagonal_tiles must have shape (B, ", kCpuTile, ") with B = ", features.sym_size(0), ", got ",
+      tiles.sym_sizes());
+  TORCH_CHECK(
+      tiles.scalar_type() == at::toOpMathType(features.scalar_type()),
+      op, ": diagonal_tiles must be ", at::toOpMathType(features.scalar_type()), ", got ", tiles.scalar_type());
+  TORCH_CHECK(
+      tiles.device() == features.device(),
+      op, ": diagonal_tiles must be on the device of features, got ", tiles.device(), " and ", features.device());
+}
+
 void check_block_inputs(
     const at::Tensor& rows,
     const at::Tensor& row_labels,

@@ -75,6 +75,21 @@ void check_anchor_backward_inputs(
     const at::Tensor& features,
     const at::Tensor& row_lse);
 
+// Rows of a block of the CPU kernels (each of their tiles of S is at most
+// kCpuTile × kCpuTile), and so the width of _anchor_loss_forward's
+// diagonal_tiles. Measured on a 2-core AMD EPYC at D = 512 (bench/NOTES.md):
+// 256 ran fwd+bwd at B = 2048 in 93 ms, 128 in 100 ms, 64 in 130 ms: larger
+// tiles keep ATen's GEMM nearer its peak.
+constexpr int64_t kCpuTile = 256;
+
+// diagonal_tiles: (B, kCpuTile) in features' accumulation dtype on features'
+// device, as _anchor_loss_forward returns it with keep_diagonal_tiles, and
+// only without a reference set; or not given.
+void check_anchor_diagonal_tiles(
+    const std::optional<at::Tensor>& diagonal_tiles,
+    const at::Tensor& features,
+    bool has_ref);
+
 // partials: (n, 4) float64, as _lse_finish takes them.
 void check_partials(const at::Tensor& partials);
 

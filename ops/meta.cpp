@@ -58,19 +58,23 @@ at::Tensor block_grad_meta(
   return at::empty_symint(rows.sym_sizes(), rows.options().dtype(accumulate));
 }
 
-std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_meta(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_loss_forward_meta(
     const at::Tensor& features, // (B, D)
     const at::Tensor& labels, // (B,)
     const std::optional<at::Tensor>& ref_features, // (M, D)?
     const std::optional<at::Tensor>& ref_labels, // (M,)?
     double margin,
     double gamma,
-    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
+    const std::optional<at::Tensor>& ref_self_index, // (B,)?
+    bool keep_diagonal_tiles) {
   check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   const c10::SymInt batch = features.sym_size(0);
+  const at::TensorOptions accumulation = features.options().dtype(at::toOpMathType(features.scalar_type()));
+  const bool diagonal = keep_diagonal_tiles && !is_given(ref_features);
   return {
       at::empty_symint({batch}, features.options()),
-      at::empty_symint({batch, 2}, features.options().dtype(at::toOpMathType(features.scalar_type())))};
+      at::empty_symint({batch, 2}, accumulation),
+      at::empty_symint({diagonal ? batch : c10::SymInt(0), c10::SymInt(kCpuTile)}, accumulation)};
 }
 
 at::Tensor anchor_loss_meta(
@@ -81,7 +85,8 @@ at::Tensor anchor_loss_meta(
     double margin,
     double gamma,
     const std::optional<at::Tensor>& ref_self_index) {
-  return std::get<0>(anchor_loss_forward_meta(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index));
+  return std::get<0>(
+      anchor_loss_forward_meta(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index, false));
 }
 
 std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_meta(
@@ -94,10 +99,12 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_meta(
     double margin,
     double gamma,
     const std::optional<at::Tensor>& ref_self_index, // (B,)?
-    bool ref_grad) {
+    bool ref_grad,
+    const std::optional<at::Tensor>& diagonal_tiles) { // (B, kCpuTile)?
   check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   check_anchor_backward_inputs(grad_losses, features, row_lse);
   const bool has_ref = is_given(ref_features);
+  check_anchor_diagonal_tiles(diagonal_tiles, features, has_ref);
   return {
       at::empty_symint(features.sym_sizes(), features.options()),
       has_ref && ref_grad ? at::empty_symint(ref_features->sym_sizes(), features.options())

@@ -23,15 +23,21 @@ TORCH_LIBRARY(circle, m) {
   // _anchor_loss_backward, or _anchor_loss_with_row_grads.
   m.def(
       "anchor_loss(Tensor features, Tensor labels, Tensor? ref_features=None, Tensor? ref_labels=None, float margin=0.4, float gamma=80.0, Tensor? ref_self_index=None) -> Tensor");
-  // -> (losses (B,), row_lse (B, 2)): each row's (LSE_P, LSE_N) in the
-  // accumulation dtype (float64 for float64 features, else float32), -inf
-  // for an empty set; all the backward needs besides the inputs.
+  // -> (losses (B,), row_lse (B, 2), diagonal_tiles): row_lse holds each
+  // row's (LSE_P, LSE_N) in the accumulation dtype (float64 for float64
+  // features, else float32), -inf for an empty set: all the backward needs
+  // besides the inputs. diagonal_tiles, with keep_diagonal_tiles (CPU, no
+  // reference set): S's tiles on the diagonal of the CPU kernels' blocks of
+  // kCpuTile rows, (B, kCpuTile) in the accumulation dtype, row i holding
+  // s_ij for the rows j of its own block in order (zeros past a short last
+  // block), which the backward then need not form again; else (0, kCpuTile).
   m.def(
-      "_anchor_loss_forward(Tensor features, Tensor labels, Tensor? ref_features, Tensor? ref_labels, float margin, float gamma, Tensor? ref_self_index=None) -> (Tensor, Tensor)");
+      "_anchor_loss_forward(Tensor features, Tensor labels, Tensor? ref_features, Tensor? ref_labels, float margin, float gamma, Tensor? ref_self_index=None, bool keep_diagonal_tiles=False) -> (Tensor, Tensor, Tensor)");
   // -> (grad_features (B, D), grad_ref_features: (M, D) if ref_grad, else
   // (0, D) and not computed), for the incoming gradient grad_losses (B,).
+  // diagonal_tiles: the forward's, or None.
   m.def(
-      "_anchor_loss_backward(Tensor grad_losses, Tensor features, Tensor labels, Tensor? ref_features, Tensor? ref_labels, Tensor row_lse, float margin, float gamma, Tensor? ref_self_index=None, bool ref_grad=False) -> (Tensor, Tensor)");
+      "_anchor_loss_backward(Tensor grad_losses, Tensor features, Tensor labels, Tensor? ref_features, Tensor? ref_labels, Tensor row_lse, float margin, float gamma, Tensor? ref_self_index=None, bool ref_grad=False, Tensor? diagonal_tiles=None) -> (Tensor, Tensor)");
   // With a reference set that needs no gradient (a memory bank), L_i
   // depends on row i of features alone, so dL/dfeatures is g_i times a row
   // that the forward can make from the same strips of S:

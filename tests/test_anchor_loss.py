@@ -275,17 +275,42 @@ def test_opcheck_internal_ops(device):
     ref, ref_labels = make_inputs(25, 8, 4, device)
     tests = ("test_schema", "test_autograd_registration", "test_faketensor")
     position = torch.arange(40, device=device) % 25
+    keep = device.type == "cpu"  # the diagonal tiles are the CPU kernels' alone
     for r, rl, index in [(None, None, None), (ref, ref_labels, None), (ref, ref_labels, position)]:
-        args = (features, labels, r, rl, 0.4, 80.0, index)
+        args = (features, labels, r, rl, 0.4, 80.0, index, keep)
         torch.library.opcheck(torch.ops.circle._anchor_loss_forward.default, args, test_utils=tests)
-        _, row_lse = torch.ops.circle._anchor_loss_forward(*args)
+        _, row_lse, diagonal_tiles = torch.ops.circle._anchor_loss_forward(*args)
+        assert diagonal_tiles.shape == ((40 if keep and r is None else 0), 256)
         grad = torch.rand(40, device=device)
         for ref_grad in [False, True]:
-            torch.library.opcheck(torch.ops.circle._anchor_loss_backward.default,
-                                  (grad, features, labels, r, rl, row_lse, 0.4, 80.0, index, ref_grad),
-                                  test_utils=tests)
+            for tiles in ([None, diagonal_tiles] if keep and r is None else [None]):
+                torch.library.opcheck(torch.ops.circle._anchor_loss_backward.default,
+                                      (grad, features, labels, r, rl, row_lse, 0.4, 80.0, index, ref_grad, tiles),
+                                      test_utils=tests)
         if r is not None:
-            torch.library.opcheck(torch.ops.circle._anchor_loss_with_row_grads.default, args, test_utils=tests)
+            torch.library.opcheck(torch.ops.circle._anchor_loss_with_row_grads.default, args[:-1], test_utils=tests)
+
+
+@pytest.mark.parametrize("batch", [1, 200, 600])
+def test_kept_diagonal_tiles_are_the_tiles_of_s(batch):
+    # The forward's diagonal tiles, which the backward reads in place of
+    # forming them again, hold S on each block of 256 rows, zeros past a
+    # short last block, and give the backward's gradient bit for bit.
+    features, labels = make_inputs(batch, 24, 5, "cpu", torch.float64)
+    _, row_lse, tiles = torch.ops.circle._anchor_loss_forward(features, labels, None, None, 0.4, 80.0, None, True)
+    similarities = features @ features.T
+    for first in range(0, batch, 256):
+        rows = min(256, batch - first)
+        block = tiles[first:first + rows]
+        assert torch.allclose(block[:, :rows], similarities[first:first + rows, first:first + rows], rtol=0, atol=1e-14)
+        assert torch.equal(block[:, rows:], torch.zeros_like(block[:, rows:]))
+    grad = torch.rand(batch, dtype=torch.float64)
+    kept = tiles.clone()
+    with_tiles = torch.ops.circle._anchor_loss_backward(grad, features, labels, None, None, row_lse, 0.4, 80.0,
+                                                        None, False, tiles)
+    without = torch.ops.circle._anchor_loss_backward(grad, features, labels, None, None, row_lse, 0.4, 80.0)
+    assert torch.equal(with_tiles[0], without[0])
+    assert torch.equal(tiles, kept)  # read, not written
 
 
 @pytest.mark.parametrize("ref_grad", [False, True])
@@ -456,6 +481,28 @@ def test_non_finite_scalars(device, name):
     kwargs = {"margin": 0.4, "gamma": 80.0, name: float("inf")}
     with pytest.raises(RuntimeError, match=f"circle::anchor_loss: {name} must be a finite float"):
         torch.ops.circle.anchor_loss(features, labels, **kwargs)
+
+
+def test_bad_diagonal_tiles_are_named(device):
+    features, labels = make_inputs(10, 8, 3, device)
+    ref, ref_labels = make_inputs(12, 8, 3, device)
+    _, row_lse, _ = torch.ops.circle._anchor_loss_forward(features, labels, None, None, 0.4, 80.0)
+    grad = torch.ones(10, device=device)
+    prefix = "circle::_anchor_loss_backward: diagonal_tiles"
+    for tiles, refs, message in [
+        (torch.zeros(10, 8, device=device), (None, None), r"must have shape \(B, 256\) with B = 10"),
+        (torch.zeros(10, 256, device=device, dtype=torch.float64), (None, None), "must be Float, got Double"),
+        (torch.zeros(10, 256, device=device), (ref, ref_labels), "are tiles of S .* made without a reference set"),
+    ]:
+        with pytest.raises(RuntimeError, match=f"{prefix} {message}"):
+            torch.ops.circle._anchor_loss_backward(grad, features, labels, *refs, row_lse, 0.4, 80.0, None, False,
+                                                   tiles)
+    if device.type == "cuda":
+        with pytest.raises(RuntimeError, match="diagonal_tiles are kept by the CPU kernels only"):
+            torch.ops.circle._anchor_loss_forward(features, labels, None, None, 0.4, 80.0, None, True)
+        with pytest.raises(RuntimeError, match="diagonal_tiles are kept by the CPU kernels only"):
+            torch.ops.circle._anchor_loss_backward(grad, features, labels, None, None, row_lse, 0.4, 80.0, None,
+                                                   False, torch.zeros(10, 256, device=device))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -138,9 +138,10 @@ def test_kernels_record_no_autograd_history(device):
         scalars = torch.ops.circle._lse_finish(torch.ops.circle._lse_partials(q, labels, r, ref_labels, 0.25, 64.0)[None])
         outputs.append(torch.ops.circle._block_grad(q, labels, r, ref_labels, scalars, 0.25, 64.0))
         for ref, ref_y in ((None, None), (r, ref_labels)):
-            losses, row_lse = torch.ops.circle._anchor_loss_forward(q, labels, ref, ref_y, 0.4, 80.0)
-            outputs += [losses, row_lse]
+            keep = device.type == "cpu"
+            losses, row_lse, tiles = torch.ops.circle._anchor_loss_forward(q, labels, ref, ref_y, 0.4, 80.0, None, keep)
+            outputs += [losses, row_lse, tiles]
             outputs += torch.ops.circle._anchor_loss_backward(torch.ones_like(losses), q, labels, ref, ref_y, row_lse,
-                                                              0.4, 80.0, None, True)
+                                                              0.4, 80.0, None, True, tiles if ref is None else None)
         outputs += torch.ops.circle._anchor_loss_with_row_grads(q, labels, r, ref_labels, 0.4, 80.0)
     assert not any(out.requires_grad for out in outputs)

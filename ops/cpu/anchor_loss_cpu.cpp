@@ -67,8 +67,8 @@ struct TileOrigin {
   int64_t col0;
 };
 
-// A tile of pairs rows × cols and their logits. The left-out pairs' logits
-// are set to -inf, which contributes exactly nothing to an LSE (below, a
+// A tile of pairs rows × cols and their logits, made in place from the tile
+// of S. The left-out pairs' logits are set to -inf, which contributes exactly nothing to an LSE (below, a
 // -inf logit never counts, as exp(-inf) = 0), so the loops over the tile
 // need no test for them. The loops test the set inline from the int32 class
 // ids, branch-free, so that they vectorise.
@@ -81,18 +81,17 @@ struct PairTile {
   int64_t cols;
 
   PairTile(
-      const at::Tensor& row_features, // (R, D)
+      at::Tensor similarities, // (R, C), contiguous: becomes `logits`
       const int32_t* row_ids_,
-      const at::Tensor& col_features, // (C, D)
       const int32_t* col_ids_,
       const PairLogit<T>& logit,
       const LeftOutPairs& left_out,
       TileOrigin origin)
-      : logits(similarity_tile(row_features, col_features)),
+      : logits(std::move(similarities)),
         row_ids(row_ids_),
         col_ids(col_ids_),
-        rows(row_features.size(0)),
-        cols(col_features.size(0)) {
+        rows(logits.size(0)),
+        cols(logits.size(1)) {
     const int64_t n_rows = rows, n_cols = cols;
     T* zs = logits.data_ptr<T>();
     const int32_t* __restrict__ x = row_ids;
@@ -337,20 +336,18 @@ struct SharedWeightScales {
 };
 
 // The tile of weights W_ij (with col_view: W_ij + W_ji) for rows × cols,
-// made from the tile of S in one pass; the left-out pairs get 0.
+// made in place from the tile of S in one pass; the left-out pairs get 0.
 template <typename T>
 at::Tensor tile_weights(
-    const at::Tensor& row_features, // (R, D)
+    at::Tensor weights, // (R, C), contiguous: S on entry, W on return
     const int32_t* row_ids, // (R,)
     const typename RowCoefficients<T>::View& row_view,
-    const at::Tensor& col_features, // (C, D)
     const int32_t* col_ids, // (C,)
     const typename RowCoefficients<T>::View* col_view, // or null
     const PairLogit<T>& logit,
     const LeftOutPairs& left_out,
     TileOrigin origin) {
-  const int64_t n_rows = row_features.size(0), n_cols = col_features.size(0);
-  at::Tensor weights = similarity_tile(row_features, col_features); // S, then W
+  const int64_t n_rows = weights.size(0), n_cols = weights.size(1);
   T* ws = weights.data_ptr<T>();
   const int32_t* __restrict__ x = row_ids;
   const int32_t* __restrict__ y = col_ids;
@@ -422,18 +419,30 @@ at::Tensor tile_weights(
   return weights;
 }
 
+// Block b's tile of S on the diagonal, as diagonal_tiles holds it.
+at::Tensor diagonal_tile_of(const at::Tensor& diagonal_tiles, int64_t b) {
+  const at::Tensor rows = block_of(diagonal_tiles, b);
+  return rows.narrow(1, 0, rows.size(0));
+}
+
+// With diagonal_tiles defined ((B, kTile)), S's tiles on the diagonal are
+// copied there before they become logits.
 template <typename T>
 RowStates row_states_symmetric(
     const at::Tensor& f,
     const int32_t* ids,
     const PairLogit<T>& logit,
-    const LeftOutPairs& left_out) {
+    const LeftOutPairs& left_out,
+    const at::Tensor& diagonal_tiles) {
   const int64_t batch = f.size(0);
   RowStates by_row(batch), by_col(batch);
   for_each_symmetric_round(at::divup(batch, kTile), [&](int64_t round, int64_t bi, int64_t bj) {
+    at::Tensor similarities = similarity_tile(block_of(f, bi), block_of(f, bj));
+    if (round == 0 && diagonal_tiles.defined()) {
+      diagonal_tile_of(diagonal_tiles, bi).copy_(similarities);
+    }
     const PairTile<T> tile(
-        block_of(f, bi), ids + bi * kTile, block_of(f, bj), ids + bj * kTile, logit, left_out,
-        {bi * kTile, bj * kTile});
+        std::move(similarities), ids + bi * kTile, ids + bj * kTile, logit, left_out, {bi * kTile, bj * kTile});
     if (round == 0) {
       merge_tile_states</*kColumns=*/false>(tile, by_row.data() + bi * kTile, nullptr);
     } else {
@@ -499,7 +508,7 @@ RowStates row_states_against(
     const int64_t bi = t / split.groups, g = t % split.groups;
     for (int64_t bj = split.first(g); bj < split.first(g + 1); ++bj) {
       const PairTile<T> tile(
-          block_of(q, bi), q_ids + bi * kTile, block_of(r, bj), r_ids + bj * kTile, logit, left_out,
+          similarity_tile(block_of(q, bi), block_of(r, bj)), q_ids + bi * kTile, r_ids + bj * kTile, logit, left_out,
           {bi * kTile, bj * kTile});
       merge_tile_states</*kColumns=*/false>(tile, shares[g].data() + bi * kTile, nullptr);
     }
@@ -547,16 +556,28 @@ AnchorInputs prepare_anchor_inputs(
   return in;
 }
 
-// (losses (B,) in features' dtype, row_lse (B, 2) in the compute dtype).
-std::tuple<at::Tensor, at::Tensor> anchor_losses(const AnchorInputs& in, const at::Tensor& features, double margin, double gamma) {
+// (losses (B,) in features' dtype, row_lse (B, 2) and diagonal_tiles
+// ((B, kTile) if kept, else (0, kTile)) in the compute dtype).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_losses(
+    const AnchorInputs& in,
+    const at::Tensor& features,
+    double margin,
+    double gamma,
+    bool keep_diagonal_tiles) {
   const int64_t batch = features.size(0);
   at::Tensor losses = at::empty({batch}, features.options());
   at::Tensor row_lse = at::empty({batch, 2}, in.q.options());
+  const bool keep = keep_diagonal_tiles && in.self;
+  at::Tensor diagonal_tiles = at::empty({keep ? batch : 0, kTile}, in.q.options());
+  if (keep && batch % kTile != 0) {
+    // The short last block leaves the rest of its rows unwritten.
+    block_of(diagonal_tiles, batch / kTile).narrow(1, batch % kTile, kTile - batch % kTile).zero_();
+  }
   AT_DISPATCH_FLOATING_TYPES(in.q.scalar_type(), "circle_anchor_loss_cpu", [&] {
     const PairLogit<scalar_t> logit = pair_logit<scalar_t>(margin, gamma);
     const int32_t* q_ids = in.q_ids.data_ptr<int32_t>();
     const RowStates states = in.self
-        ? row_states_symmetric<scalar_t>(in.q, q_ids, logit, in.left_out())
+        ? row_states_symmetric<scalar_t>(in.q, q_ids, logit, in.left_out(), keep ? diagonal_tiles : at::Tensor())
         : row_states_against<scalar_t>(in.q, q_ids, in.r, in.r_ids.data_ptr<int32_t>(), logit, in.left_out());
     scalar_t* lse = row_lse.data_ptr<scalar_t>();
     std::vector<double> values(batch);
@@ -569,20 +590,23 @@ std::tuple<at::Tensor, at::Tensor> anchor_losses(const AnchorInputs& in, const a
     }
     store_rounded(values.data(), losses);
   });
-  return {losses, row_lse};
+  return {losses, row_lse, diagonal_tiles};
 }
 
-std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_loss_forward_cpu(
     const at::Tensor& features, // (B, D)
     const at::Tensor& labels, // (B,)
     const std::optional<at::Tensor>& ref_features, // (M, D)?
     const std::optional<at::Tensor>& ref_labels, // (M,)?
     double margin,
     double gamma,
-    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
+    const std::optional<at::Tensor>& ref_self_index, // (B,)?
+    bool keep_diagonal_tiles) {
   check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   const NoAutocast no_autocast;
-  return anchor_losses(prepare_anchor_inputs(features, labels, ref_features, ref_labels, ref_self_index), features, margin, gamma);
+  return anchor_losses(
+      prepare_anchor_inputs(features, labels, ref_features, ref_labels, ref_self_index), features, margin, gamma,
+      keep_diagonal_tiles);
 }
 
 at::Tensor anchor_loss_cpu(
@@ -593,18 +617,21 @@ at::Tensor anchor_loss_cpu(
     double margin,
     double gamma,
     const std::optional<at::Tensor>& ref_self_index) {
-  return std::get<0>(anchor_loss_forward_cpu(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index));
+  return std::get<0>(
+      anchor_loss_forward_cpu(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index, false));
 }
 
 // (dQ (B, D), dR (M, D) if ref_grad, else (0, D)) in the compute dtype, for
-// the incoming gradient grad_losses (B,).
+// the incoming gradient grad_losses (B,). diagonal_tiles: the forward's
+// (B, kTile), or undefined: the diagonal tiles of S are then formed again.
 std::tuple<at::Tensor, at::Tensor> anchor_gradients(
     const AnchorInputs& in,
     const at::Tensor& grad_losses,
     const at::Tensor& row_lse,
     double margin,
     double gamma,
-    bool ref_grad) {
+    bool ref_grad,
+    const at::Tensor& diagonal_tiles) {
   const int64_t batch = in.q.size(0);
   ref_grad = ref_grad && !in.self;
   // Without a reference set every block's first term is written, not added.
@@ -631,8 +658,15 @@ std::tuple<at::Tensor, at::Tensor> anchor_gradients(
           [&](int64_t round, int64_t bi, int64_t bj) {
             const at::Tensor cols = block_of(in.q, bj);
             const auto col_view = coefficients.from(bj * kTile);
+            at::Tensor similarities;
+            if (round == 0 && diagonal_tiles.defined()) {
+              const at::Tensor kept = diagonal_tile_of(diagonal_tiles, bi); // the saved input: copied, not overwritten
+              similarities = at::empty(kept.sizes(), kept.options()).copy_(kept);
+            } else {
+              similarities = similarity_tile(block_of(in.q, bi), cols);
+            }
             at::Tensor c = tile_weights<T>(
-                block_of(in.q, bi), q_ids + bi * kTile, coefficients.from(bi * kTile), cols, q_ids + bj * kTile,
+                std::move(similarities), q_ids + bi * kTile, coefficients.from(bi * kTile), q_ids + bj * kTile,
                 &col_view, logit, in.left_out(), {bi * kTile, bj * kTile});
             at::Tensor rows_grad = block_of(grad_q, bi);
             if (round == 0) {
@@ -650,7 +684,7 @@ std::tuple<at::Tensor, at::Tensor> anchor_gradients(
       const int32_t* r_ids = in.r_ids.data_ptr<int32_t>();
       const auto weights = [&](int64_t bi, int64_t bj) {
         return tile_weights<T>(
-            block_of(in.q, bi), q_ids + bi * kTile, coefficients.from(bi * kTile), block_of(in.r, bj),
+            similarity_tile(block_of(in.q, bi), block_of(in.r, bj)), q_ids + bi * kTile, coefficients.from(bi * kTile),
             r_ids + bj * kTile, nullptr, logit, in.left_out(), {bi * kTile, bj * kTile});
       };
       const ColumnGroups split = ColumnGroups::for_gradient(batch, in.r.size(0));
@@ -700,12 +734,16 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cpu(
     double margin,
     double gamma,
     const std::optional<at::Tensor>& ref_self_index, // (B,)?
-    bool ref_grad) {
+    bool ref_grad,
+    const std::optional<at::Tensor>& diagonal_tiles) { // (B, kTile)?
   check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   check_anchor_backward_inputs(grad_losses, features, row_lse);
+  check_anchor_diagonal_tiles(diagonal_tiles, features, is_given(ref_features));
   const NoAutocast no_autocast;
   const AnchorInputs in = prepare_anchor_inputs(features, labels, ref_features, ref_labels, ref_self_index);
-  const auto [grad_q, grad_r] = anchor_gradients(in, grad_losses, row_lse, margin, gamma, ref_grad);
+  const auto [grad_q, grad_r] = anchor_gradients(
+      in, grad_losses, row_lse, margin, gamma, ref_grad,
+      is_given(diagonal_tiles) ? *diagonal_tiles : at::Tensor());
   return {grad_q.to(features.scalar_type()), grad_r.to(features.scalar_type())};
 }
 
@@ -723,9 +761,11 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_cpu(
   check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   const NoAutocast no_autocast;
   const AnchorInputs in = prepare_anchor_inputs(features, labels, ref_features, ref_labels, ref_self_index);
-  const auto [losses, row_lse] = anchor_losses(in, features, margin, gamma);
+  const auto forward = anchor_losses(in, features, margin, gamma, /*keep_diagonal_tiles=*/false);
   const at::Tensor ones = at::ones({features.size(0)}, in.q.options());
-  return {losses, std::get<0>(anchor_gradients(in, ones, row_lse, margin, gamma, /*ref_grad=*/false))};
+  const at::Tensor& row_lse = std::get<1>(forward);
+  return {std::get<0>(forward),
+          std::get<0>(anchor_gradients(in, ones, row_lse, margin, gamma, /*ref_grad=*/false, at::Tensor()))};
 }
 
 } // namespace

@@ -25,10 +25,8 @@
 namespace circle_loss {
 namespace cpu {
 
-// Edge of a tile of S. Measured on a 2-core AMD EPYC at D = 512 (bench/NOTES.md):
-// 256 ran fwd+bwd at B = 2048 in 93 ms, 128 in 100 ms, 64 in 130 ms: larger
-// tiles keep ATen's GEMM nearer its peak.
-constexpr int64_t kTile = 256;
+// Edge of a tile of S (circle_loss.h says why 256).
+constexpr int64_t kTile = kCpuTile;
 
 // Runs task(t) for every t in [0, n) on the intra-op threads, each thread
 // taking the next task as it finishes one: a thread that the OS slows down

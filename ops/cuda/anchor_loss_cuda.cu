@@ -496,30 +496,39 @@ class AnchorPasses {
   at::Tensor workspace_; // (largest strip,) in acc_t
 };
 
-std::tuple<at::Tensor, at::Tensor> anchor_loss_forward_cuda(
+// The CPU kernels' diagonal tiles are theirs alone: these kernels form S in
+// strips and keep none of it for the backward.
+constexpr const char* kNoDiagonalTiles =
+    "diagonal_tiles are kept by the CPU kernels only: the CUDA kernels form S in strips and keep none of it";
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_loss_forward_cuda(
     const at::Tensor& features, // (B, D)
     const at::Tensor& labels, // (B,)
     const std::optional<at::Tensor>& ref_features, // (M, D)?
     const std::optional<at::Tensor>& ref_labels, // (M,)?
     double margin,
     double gamma,
-    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
+    const std::optional<at::Tensor>& ref_self_index, // (B,)?
+    bool keep_diagonal_tiles) {
   check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+  const bool self = !is_given(ref_features);
+  TORCH_CHECK(!(keep_diagonal_tiles && self), "circle::_anchor_loss_forward: keep_diagonal_tiles=True: ", kNoDiagonalTiles);
   const NoAutocast no_autocast;
   const c10::cuda::CUDAGuard guard(features.device());
-  const bool self = !is_given(ref_features);
   const KernelRows q = kernel_rows(features, labels);
   const KernelRows r = self ? q : kernel_rows(*ref_features, *ref_labels);
+  const at::TensorOptions accumulation = features.options().dtype(at::toOpMathType(features.scalar_type()));
   at::Tensor losses = at::empty({q.size()}, features.options());
-  at::Tensor row_lse = at::empty({q.size(), 2}, features.options().dtype(at::toOpMathType(features.scalar_type())));
+  at::Tensor row_lse = at::empty({q.size(), 2}, accumulation);
+  at::Tensor no_tiles = at::empty({0, kCpuTile}, accumulation);
   if (q.size() == 0) {
-    return {losses, row_lse};
+    return {losses, row_lse, no_tiles};
   }
   const at::Tensor left_out = left_out_columns(ref_self_index);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_anchor_loss_cuda", [&] {
     AnchorPasses<scalar_t>(q, r, self, left_out, margin, gamma).forward(losses, row_lse);
   });
-  return {losses, row_lse};
+  return {losses, row_lse, no_tiles};
 }
 
 std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_cuda(
@@ -556,7 +565,8 @@ at::Tensor anchor_loss_cuda(
     double margin,
     double gamma,
     const std::optional<at::Tensor>& ref_self_index) {
-  return std::get<0>(anchor_loss_forward_cuda(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index));
+  return std::get<0>(
+      anchor_loss_forward_cuda(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index, false));
 }
 
 std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cuda(
@@ -569,12 +579,15 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cuda(
     double margin,
     double gamma,
     const std::optional<at::Tensor>& ref_self_index, // (B,)?
-    bool ref_grad) {
+    bool ref_grad,
+    const std::optional<at::Tensor>& diagonal_tiles) { // (B, kCpuTile)?
   check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   check_anchor_backward_inputs(grad_losses, features, row_lse);
+  const bool self = !is_given(ref_features);
+  check_anchor_diagonal_tiles(diagonal_tiles, features, !self);
+  TORCH_CHECK(!is_given(diagonal_tiles), "circle::_anchor_loss_backward: ", kNoDiagonalTiles);
   const NoAutocast no_autocast;
   const c10::cuda::CUDAGuard guard(features.device());
-  const bool self = !is_given(ref_features);
   const KernelRows q = kernel_rows(features, labels);
   const KernelRows r = self ? q : kernel_rows(*ref_features, *ref_labels);
   const at::Tensor left_out = left_out_columns(ref_self_index);
