@@ -142,6 +142,6 @@ def test_kernels_record_no_autograd_history(device):
             losses, row_lse, tiles = torch.ops.circle._anchor_loss_forward(q, labels, ref, ref_y, 0.4, 80.0, None, keep)
             outputs += [losses, row_lse, tiles]
             outputs += torch.ops.circle._anchor_loss_backward(torch.ones_like(losses), q, labels, ref, ref_y, row_lse,
-                                                              0.4, 80.0, None, True, tiles if ref is None else None)
+                                                              0.4, 80.0, None, True, tiles if keep and ref is None else None)
         outputs += torch.ops.circle._anchor_loss_with_row_grads(q, labels, r, ref_labels, 0.4, 80.0)
     assert not any(out.requires_grad for out in outputs)
