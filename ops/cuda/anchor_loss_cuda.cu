@@ -16,10 +16,14 @@
 // without a reference set, from the one entry s_ij), and cuBLAS multiplies:
 // dQ = W R and, where the references need a gradient, dR = Wᵀ Q (without a
 // reference set both go to Q, as in the global op's gradient pass).
+// float16/bfloat16 rows of whole 16-byte chunks have the strips' W made
+// straight from tensor-core tiles (mma_tiles.cuh's tile_weights_kernel, with
+// AnchorWeightRule), S never in memory.
 //
 // Every reduction runs in an order fixed by the shapes and the GPU, and
 // cuBLAS is reproducible on a given GPU, so results are bitwise the same from
 // run to run; nothing waits for the host, so the op can be graph-captured.
+#include "mma_tiles.cuh"
 #include "strips.cuh"
 
 #include <ATen/Dispatch.h>
@@ -304,6 +308,67 @@ __global__ void __launch_bounds__(kThreads) weights_kernel(
   });
 }
 
+// tile_weights_kernel's rule for the per-anchor form: weights_kernel's W,
+// from the coefficients of the tile's rows (and, without a reference set,
+// of its columns), held in shared memory as (-LSE_P·log2(e), -LSE_N·log2(e),
+// factor) so that each term is one multiply-add and one ex2.
+struct AnchorWeightRule {
+  PairLogit<float> logit;
+  const float* row_coefficients; // (n_rows, 3): the strip's rows
+  const float* col_coefficients; // (n_cols, 3): the strip's columns without a reference set, else null
+  int64_t n_rows;
+  int64_t n_cols;
+  int64_t first_row; // the strip's, in features
+  int64_t first_col; // the strip's, in the reference set (features without one)
+  const int64_t* left_out; // (n_rows,): with a reference set, each row's left-out column of it; or null
+
+  struct Shared {
+    float4 row[kMmaTile]; // (-LSE_P·log2(e), -LSE_N·log2(e), factor, unused); factor 0 past the end
+    float4 col[kMmaTile]; // the same for the columns; factor 0 with a reference set
+    int skipped[kMmaTile]; // the column of the tile with each row's pair in no set, or -1
+  };
+
+  // A row's or column's (B, 3) record as Shared holds it, or none (factor 0).
+  __device__ __forceinline__ static float4 scaled(const float* records, int64_t index, bool inside) {
+    if (!inside) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const RowCoefficients<float> c = RowCoefficients<float>::at(records, index);
+    return make_float4(-c.lse[0] * kLog2e, -c.lse[1] * kLog2e, c.factor, 0.0f);
+  }
+
+  // factor·exp(z - LSE of the set)·slope for one side's coefficients.
+  __device__ __forceinline__ static float term(const float4& c, float z, bool positive) {
+    return c.z == 0.0f ? 0.0f : c.z * fast_exp2(fmaf(z, kLog2e, positive ? c.x : c.y));
+  }
+
+  __device__ __forceinline__ void load(Shared& shared, int64_t row0, int64_t col0) const {
+    static_assert(2 * kMmaTile == kMmaThreads, "one row or column a thread");
+    const int i = threadIdx.x % kMmaTile;
+    const bool self = col_coefficients != nullptr;
+    if (threadIdx.x < kMmaTile) {
+      const int64_t r = row0 + i;
+      const bool inside = r < n_rows;
+      shared.row[i] = scaled(row_coefficients, r, inside);
+      // Its pair in no set, as a column of the whole set: (i, i) without a
+      // reference set, else left_out's.
+      const int64_t column = self ? first_row + r : left_out != nullptr ? left_out[r] : -1;
+      const int64_t skipped = inside && column >= 0 ? column - first_col - col0 : -1;
+      shared.skipped[i] = skipped >= 0 && skipped < kMmaTile ? static_cast<int>(skipped) : -1;
+    } else {
+      const int64_t c = col0 + i;
+      shared.col[i] = scaled(col_coefficients, c, self && c < n_cols);
+    }
+  }
+
+  __device__ __forceinline__ auto at(const Shared& shared) const {
+    return [&shared, logit = logit](float s, bool positive, int r, int c) {
+      float slope;
+      const float z = logit(s, positive, &slope);
+      const float w = (term(shared.row[r], z, positive) + term(shared.col[c], z, positive)) * slope;
+      return c == shared.skipped[r] ? 0.0f : w;
+    };
+  }
+};
+
 unsigned blocks_for(int64_t n) {
   return static_cast<unsigned>(std::max<int64_t>((n + kThreads - 1) / kThreads, 1));
 }
@@ -338,18 +403,22 @@ class AnchorPasses {
         left_out_(left_out),
         logit_{static_cast<acc_t>(margin), static_cast<acc_t>(gamma)},
         strips_(plan_strips(q.size(), r.size(), /*symmetric=*/self, sizeof(acc_t), max_strip_height(q.size(), self))),
-        sms_(multiprocessors()) {
-    const int64_t largest = strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols;
-    workspace_ = at::empty({largest}, q.features.options().dtype(dtype_of<acc_t>()));
+        sms_(multiprocessors()),
+        accumulation_(q.features.options().dtype(dtype_of<acc_t>())),
+        largest_strip_(strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols) {
+    if constexpr (kHasMmaTiles<scalar_t>) {
+      tensor_cores_ = mma_tiles_apply<tile_weights_kernel<scalar_t, AnchorWeightRule>>(q.features) &&
+          mma_tiles_apply<tile_weights_kernel<scalar_t, AnchorWeightRule>>(r.features);
+    }
   }
 
   // Writes losses (B,) and row_lse (B, 2).
   void forward(at::Tensor& losses, at::Tensor& row_lse) {
     const int64_t batch = q_.size();
-    at::Tensor states = at::empty({batch, PairStates<acc_t>::kValues}, workspace_.options());
+    at::Tensor states = at::empty({batch, PairStates<acc_t>::kValues}, accumulation_);
     acc_t* state = states.data_ptr<acc_t>();
     for (const Strip& strip : strips_) {
-      reduce_strip(strip, strip_similarities(q_, r_, strip, workspace_), state);
+      reduce_strip(strip, strip_similarities(q_, r_, strip, similarity_space()), state);
     }
     finish_rows_kernel<scalar_t, acc_t><<<blocks_for(batch), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         state, batch, losses.data_ptr<scalar_t>(), row_lse.data_ptr<acc_t>(), nullptr);
@@ -365,12 +434,12 @@ class AnchorPasses {
     TORCH_INTERNAL_ASSERT(!self_);
     const auto stream = c10::cuda::getCurrentCUDAStream();
     const int64_t batch = q_.size();
-    at::Tensor states = at::empty({batch, PairStates<acc_t>::kValues}, workspace_.options());
-    at::Tensor coefficients = at::empty({batch, RowCoefficients<acc_t>::kValues}, workspace_.options());
+    at::Tensor states = at::empty({batch, PairStates<acc_t>::kValues}, accumulation_);
+    at::Tensor coefficients = at::empty({batch, RowCoefficients<acc_t>::kValues}, accumulation_);
     const at::Tensor weight_space = make_weight_space();
     if (r_.size() == 0) row_grads.zero_();
     for (const Strip& strip : strips_) {
-      const at::Tensor s = strip_similarities(q_, r_, strip, workspace_);
+      const at::Tensor s = strip_similarities(q_, r_, strip, similarity_space());
       acc_t* state = states.data_ptr<acc_t>() + PairStates<acc_t>::kValues * strip.row0;
       acc_t* coefficient = coefficients.data_ptr<acc_t>() + RowCoefficients<acc_t>::kValues * strip.row0;
       reduce_strip(strip, s, states.data_ptr<acc_t>());
@@ -388,13 +457,13 @@ class AnchorPasses {
     const auto stream = c10::cuda::getCurrentCUDAStream();
     const int64_t batch = q_.size();
     const int64_t dim = q_.dim();
-    at::Tensor coefficients = at::empty({batch, RowCoefficients<acc_t>::kValues}, workspace_.options());
+    at::Tensor coefficients = at::empty({batch, RowCoefficients<acc_t>::kValues}, accumulation_);
     coefficients_kernel<scalar_t, acc_t><<<blocks_for(batch), kThreads, 0, stream>>>(
         grad_losses.data_ptr<scalar_t>(), row_lse.data_ptr<acc_t>(), batch, coefficients.data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    at::Tensor grad_q = at::empty({batch, dim}, workspace_.options());
+    at::Tensor grad_q = at::empty({batch, dim}, accumulation_);
     ref_grad = ref_grad && !self_;
-    at::Tensor grad_r = at::empty({ref_grad ? r_.size() : 0, dim}, workspace_.options());
+    at::Tensor grad_r = at::empty({ref_grad ? r_.size() : 0, dim}, accumulation_);
     if (batch == 0 || r_.size() == 0) {
       grad_q.zero_();
       grad_r.zero_();
@@ -404,11 +473,14 @@ class AnchorPasses {
     // Last strip first: a strip writes its own rows before any earlier one
     // adds its mirrored share to them.
     for (auto strip = strips_.rbegin(); strip != strips_.rend(); ++strip) {
-      const at::Tensor s = strip_similarities(q_, r_, *strip, workspace_);
       const acc_t* coefficient = coefficients.data_ptr<acc_t>();
       constexpr int kValues = RowCoefficients<acc_t>::kValues;
-      const at::Tensor weights = launch_weights(*strip, s, weight_space, coefficient + kValues * strip->row0,
-                                                self_ ? coefficient + kValues * strip->col0 : nullptr);
+      const acc_t* row_coefficients = coefficient + kValues * strip->row0;
+      const acc_t* col_coefficients = self_ ? coefficient + kValues * strip->col0 : nullptr;
+      const at::Tensor weights = tensor_cores_
+          ? launch_tile_weights(*strip, weight_space, row_coefficients, col_coefficients)
+          : launch_weights(*strip, strip_similarities(q_, r_, *strip, similarity_space()), weight_space,
+                           row_coefficients, col_coefficients);
       const at::Tensor own_rows = q_.features.narrow(0, strip->row0, strip->rows);
       matmul_into(grad_q.narrow(0, strip->row0, strip->rows), weights, r_.features.narrow(0, strip->col0, strip->cols));
       if (self_) {
@@ -445,7 +517,7 @@ class AnchorPasses {
           std::min((2 * sms_ + blocks - 1) / blocks, strip.rows / kMinShareRows), 1, kMaxColumnShares);
       acc_t* beyond_states = states + PairStates<acc_t>::kValues * (strip.row0 + strip.rows);
       const at::Tensor share_states =
-          at::empty({shares > 1 ? shares * beyond : 0, PairStates<acc_t>::kValues}, workspace_.options());
+          at::empty({shares > 1 ? shares * beyond : 0, PairStates<acc_t>::kValues}, accumulation_);
       column_states_kernel<acc_t>
           <<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(shares)), kThreads, 0, stream>>>(
               s.data_ptr<acc_t>(), strip.rows, strip.cols, strip.rows, row_labels(strip), col_labels(strip), logit_,
@@ -459,9 +531,41 @@ class AnchorPasses {
     }
   }
 
+  // The workspace of S's strips in acc_t, (largest strip,), made on first use.
+  const at::Tensor& similarity_space() {
+    if (!workspace_.defined()) workspace_ = at::empty({largest_strip_}, accumulation_);
+    return workspace_;
+  }
+
   // float16/bfloat16 weights feed the tensor cores; wider ones overwrite S.
-  at::Tensor make_weight_space() const {
-    return std::is_same_v<scalar_t, acc_t> ? workspace_ : at::empty_like(workspace_, q_.features.options());
+  at::Tensor make_weight_space() {
+    return std::is_same_v<scalar_t, acc_t> ? similarity_space() : at::empty({largest_strip_}, q_.features.options());
+  }
+
+  // tile_weights_kernel over a strip, as launch_weights without S.
+  at::Tensor launch_tile_weights(
+      const Strip& strip,
+      const at::Tensor& weight_space,
+      const acc_t* row_coefficients,
+      const acc_t* col_coefficients) const {
+    const at::Tensor weights = weight_space.narrow(0, 0, strip.rows * strip.cols).view({strip.rows, strip.cols});
+    if constexpr (kHasMmaTiles<scalar_t>) {
+      // x over the strip's rows of tiles, the fastest: the CTAs resident at
+      // once share their columns' operand tiles through L2.
+      const dim3 grid(static_cast<unsigned>((strip.rows + kMmaTile - 1) / kMmaTile),
+                      static_cast<unsigned>((strip.cols + kMmaTile - 1) / kMmaTile));
+      const int64_t dim = q_.dim();
+      tile_weights_kernel<scalar_t, AnchorWeightRule>
+          <<<grid, kMmaThreads, kMmaSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
+              TileOperands<scalar_t>{q_.features.data_ptr<scalar_t>() + strip.row0 * dim, row_labels(strip), strip.rows,
+                                     r_.features.data_ptr<scalar_t>() + strip.col0 * dim, col_labels(strip), strip.cols,
+                                     dim},
+              AnchorWeightRule{logit_, row_coefficients, col_coefficients, strip.rows, strip.cols, strip.row0,
+                               strip.col0, left_out(strip)},
+              weights.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    return weights;
   }
 
   // weights_kernel over strip's S with the rows' coefficients (rows, 3) (and,
@@ -493,7 +597,10 @@ class AnchorPasses {
   PairLogit<acc_t> logit_;
   std::vector<Strip> strips_;
   int sms_;
-  at::Tensor workspace_; // (largest strip,) in acc_t
+  at::TensorOptions accumulation_; // acc_t on the features' device
+  int64_t largest_strip_; // entries
+  bool tensor_cores_ = false; // the backward's W from tensor-core tiles (mma_tiles.cuh)
+  at::Tensor workspace_; // (largest_strip_,) in acc_t, S's strips: see similarity_space
 };
 
 // The CPU kernels' diagonal tiles are theirs alone: these kernels form S in

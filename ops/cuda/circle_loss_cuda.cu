@@ -138,31 +138,6 @@ __device__ __forceinline__ void tile_position(bool symmetric, int64_t row_tiles,
   *tj = tile.col;
 }
 
-// The tensor-core epilogues issue more instructions than their tiles' main
-// loops, so each entry's steps are single instructions where one will do:
-// exp from the special-function unit (ex2, a few ulp: float16/bfloat16
-// inputs resolve far less) with log2(e) folded into one multiply-add, and
-// the NaN-propagating max of sm_80 on.
-constexpr float kLog2e = 1.4426950408889634f;
-
-// 2^x, approximately.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float out;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(out) : "f"(x));
-  return out;
-}
-
-// nan_max(a, b).
-__device__ __forceinline__ float fast_nan_max(float a, float b) {
-#if __CUDA_ARCH__ >= 800
-  float out;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(out) : "f"(a), "f"(b));
-  return out;
-#else
-  return nan_max(a, b);
-#endif
-}
-
 // The thread's (max, Σ) of both sets over its entries of a tile, which hold
 // S on entry and their logits on exit; each entry's sum term is weighted by
 // its multiplicity relative to an off-diagonal pair (1; 1/2 on a symmetric
@@ -256,59 +231,36 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
   }
 }
 
-// weights = W = 2σ(Z)·exp(z - LSE of its set)·dz/ds over a strip rows ×
-// colsᵀ, one kMmaTile² tile a CTA, S formed on the tensor cores: the
-// gradient pass of float16/bfloat16 batches, S never in memory. The tile of
-// W goes through shared memory, so that global stores are whole 16 bytes.
-template <typename T>
-__global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
-    const TileOperands<T> in,
-    PairLogit<float> logit,
-    const double* __restrict__ scalars, // (LSE_P, LSE_N, loss, 2σ(Z))
-    T* __restrict__ weights) { // (R, C)
-  extern __shared__ __align__(128) unsigned char stages[];
-  constexpr int kStride = kMmaTile + 8; // padded rows of the staged tile: its writes avoid bank conflicts
-  static_assert(kStride * sizeof(T) % 16 == 0, "staged rows start 16-byte aligned");
-  static_assert(kMmaTile * kStride * sizeof(T) <= kMmaSharedBytes - kStageAlignment,
-                "the staged tile fits in the stages");
-  const int64_t row0 = blockIdx.x * static_cast<int64_t>(kMmaTile);
-  const int64_t col0 = blockIdx.y * static_cast<int64_t>(kMmaTile);
-  __shared__ TileLabels labels;
-  labels.load(in, row0, col0);
-  TileAccumulators tile;
-  multiply_tile(tile, in, row0, col0, stage_memory<T>(stages));
-  __syncthreads(); // the labels, also where dim gives the main loop no step
-  const LossScalars loss = LossScalars::load(scalars);
-  const float lse_positive = static_cast<float>(loss.lse_positive);
-  const float lse_negative = static_cast<float>(loss.lse_negative);
-  const float scale = static_cast<float>(loss.grad_scale);
-  T* staged = stage_memory<T>(stages);
-  __syncthreads(); // every warp is done with the stages
-  tile.for_each([&](float s, int r, int c, int) {
-    const bool is_positive = labels.positive(r, c);
-    float slope;
-    const float z = logit(s, is_positive, &slope);
-    const float w = scale * __expf(z - (is_positive ? lse_positive : lse_negative)) * slope;
-    staged[r * kStride + c] = static_cast<T>(w);
-  });
-  __syncthreads();
-  constexpr int kChunks = kMmaTile * kMmaTile / kVec<T>;
-  const bool whole_chunks = in.n_cols % kVec<T> == 0 && reinterpret_cast<uintptr_t>(weights) % 16 == 0;
-  for (int q = threadIdx.x; q < kChunks; q += kMmaThreads) {
-    const int row = q / (kMmaTile / kVec<T>);
-    const int col = q % (kMmaTile / kVec<T>) * kVec<T>;
-    const int64_t r = row0 + row;
-    const int64_t c = col0 + col;
-    if (r >= in.n_rows || c >= in.n_cols) continue;
-    const T* from = staged + row * kStride + col; // 16-byte aligned: kStride · sizeof(T) is a multiple of 16
-    T* to = weights + r * in.n_cols + c;
-    if (whole_chunks) {
-      *reinterpret_cast<Packed<T, kVec<T>>*>(to) = *reinterpret_cast<const Packed<T, kVec<T>>*>(from);
-    } else {
-      for (int v = 0; v < kVec<T> && c + v < in.n_cols; ++v) to[v] = from[v];
-    }
+// tile_weights_kernel's rule for the global form: W = 2σ(Z)·exp(z - LSE of
+// its set)·dz/ds, from the loss's scalars.
+struct GlobalWeightRule {
+  PairLogit<float> logit;
+  const double* scalars; // (LSE_P, LSE_N, loss, 2σ(Z))
+
+  struct Shared {
+    float lse[2]; // (LSE_P, LSE_N), times -log2(e): exp(z - LSE) = 2^(z·log2(e) + this)
+    float scale; // 2σ(Z)
+  };
+
+  __device__ __forceinline__ void load(Shared& shared, int64_t, int64_t) const {
+    if (threadIdx.x != 0) return;
+    const LossScalars loss = LossScalars::load(scalars);
+    shared.lse[0] = -static_cast<float>(loss.lse_positive) * kLog2e;
+    shared.lse[1] = -static_cast<float>(loss.lse_negative) * kLog2e;
+    shared.scale = static_cast<float>(loss.grad_scale);
   }
-}
+
+  __device__ __forceinline__ auto at(const Shared& shared) const {
+    const float positive_offset = shared.lse[0];
+    const float negative_offset = shared.lse[1];
+    const float scale = shared.scale;
+    return [=, logit = logit](float s, bool positive, int, int) {
+      float slope;
+      const float z = logit(s, positive, &slope);
+      return scale * fast_exp2(fmaf(z, kLog2e, positive ? positive_offset : negative_offset)) * slope;
+    };
+  }
+};
 
 // negative_max[strip] = max(negative_max[strip - 1], the largest negative
 // logit of this strip), from the strip's LSE partials: the stabiliser of its
@@ -848,7 +800,7 @@ class StripPasses {
     if constexpr (kHasMmaTiles<scalar_t>) {
       return mma_tiles_apply<tile_lse_kernel<scalar_t>>(rows.features) &&
           mma_tiles_apply<tile_lse_kernel<scalar_t>>(cols.features) &&
-          mma_tiles_apply<tile_weights_kernel<scalar_t>>(rows.features);
+          mma_tiles_apply<tile_weights_kernel<scalar_t, GlobalWeightRule>>(rows.features);
     } else {
       return false;
     }
@@ -884,11 +836,12 @@ class StripPasses {
       // once share their columns' operand tiles through L2.
       const dim3 grid(static_cast<unsigned>((strip.rows + kMmaTile - 1) / kMmaTile),
                       static_cast<unsigned>((strip.cols + kMmaTile - 1) / kMmaTile));
-      tile_weights_kernel<scalar_t><<<grid, kMmaThreads, kMmaSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
-          TileOperands<scalar_t>{rows_.features.data_ptr<scalar_t>() + strip.row0 * rows_.dim(), row_labels(strip),
-                                 strip.rows, cols_.features.data_ptr<scalar_t>() + strip.col0 * cols_.dim(),
-                                 col_labels(strip), strip.cols, rows_.dim()},
-          logit_, scalars, weights.data_ptr<scalar_t>());
+      tile_weights_kernel<scalar_t, GlobalWeightRule>
+          <<<grid, kMmaThreads, kMmaSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
+              TileOperands<scalar_t>{rows_.features.data_ptr<scalar_t>() + strip.row0 * rows_.dim(), row_labels(strip),
+                                     strip.rows, cols_.features.data_ptr<scalar_t>() + strip.col0 * cols_.dim(),
+                                     col_labels(strip), strip.cols, rows_.dim()},
+              GlobalWeightRule{logit_, scalars}, weights.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     return weights;

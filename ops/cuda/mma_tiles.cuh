@@ -1,7 +1,8 @@
 // Tiles of S = rows · colsᵀ on the tensor cores, for float16 and bfloat16
 // features: S accumulates in float32 registers and is handed to an epilogue
 // in place, so that it never goes to memory. Used by circle_loss_cuda.cu for
-// the LSE partials and the gradient weights of half-precision batches.
+// the LSE partials and the gradient weights of half-precision batches, and by
+// anchor_loss_cuda.cu for the gradient weights.
 //
 // A CTA of kMmaThreads threads owns a kMmaTile × kMmaTile tile of S. The
 // features pass through shared memory kMmaK at a time in kMmaStages stages,
@@ -54,6 +55,31 @@ static_assert(kMmaThreads / 128 * 64 == kMmaTile, "two warpgroups of 64 rows");
 // features (whole 16-byte chunks), 16-byte aligned.
 template <typename T>
 constexpr bool kHasMmaTiles = std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>;
+
+// The tensor-core epilogues issue more instructions than their tiles' main
+// loops, so each entry's steps are single instructions where one will do:
+// exp from the special-function unit (ex2, a few ulp: float16/bfloat16
+// inputs resolve far less) with log2(e) folded into one multiply-add, and
+// the NaN-propagating max of sm_80 on.
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x, approximately.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float out;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(out) : "f"(x));
+  return out;
+}
+
+// nan_max(a, b).
+__device__ __forceinline__ float fast_nan_max(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+  float out;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(out) : "f"(a), "f"(b));
+  return out;
+#else
+  return nan_max(a, b);
+#endif
+}
 
 // The two sides of a product rows · colsᵀ and their labels, as the
 // tensor-core kernels take them.
@@ -406,6 +432,63 @@ struct TileLabels {
     return row[row_in_tile] == col[col_in_tile];
   }
 };
+
+// weights = W over a strip rows × colsᵀ, one kMmaTile² tile a CTA, S formed
+// on the tensor cores: the gradient passes' W of float16/bfloat16 batches,
+// S never in memory. W's entries come from a Rule, which gives
+//   Shared                         what the tile's entries share (its rows'
+//                                  coefficients, the loss's scalars), held
+//                                  in shared memory;
+//   load(Shared&, row0, col0)      fills it for the tile at (row0, col0),
+//                                  each of the CTA's threads taking part;
+//   at(const Shared&) -> Entry     a thread's view of it, where Entry(s,
+//                                  positive, r, c) is W at (r, c) of the tile.
+// The tile of W goes through shared memory, so that global stores are whole
+// 16 bytes.
+template <typename T, typename Rule>
+__global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
+    const TileOperands<T> in,
+    const Rule rule,
+    T* __restrict__ weights) { // (R, C)
+  extern __shared__ __align__(128) unsigned char stages[];
+  constexpr int kStride = kMmaTile + 8; // padded rows of the staged tile: its writes avoid bank conflicts
+  static_assert(kStride * sizeof(T) % 16 == 0, "staged rows start 16-byte aligned");
+  static_assert(kMmaTile * kStride * sizeof(T) <= kMmaSharedBytes - kStageAlignment,
+                "the staged tile fits in the stages");
+  const int64_t row0 = blockIdx.x * static_cast<int64_t>(kMmaTile);
+  const int64_t col0 = blockIdx.y * static_cast<int64_t>(kMmaTile);
+  __shared__ TileLabels labels;
+  __shared__ typename Rule::Shared shared_rule;
+  labels.load(in, row0, col0);
+  rule.load(shared_rule, row0, col0);
+  TileAccumulators tile;
+  multiply_tile(tile, in, row0, col0, stage_memory<T>(stages));
+  __syncthreads(); // the labels and the rule's values, also where dim gives the main loop no step
+  // W in registers first, then to shared memory: with no store between them
+  // the compiler reads each row's labels and values from shared memory once.
+  const auto weight = rule.at(shared_rule);
+  tile.for_each([&](float& s, int r, int c, int) { s = weight(s, labels.positive(r, c), r, c); });
+  T* staged = stage_memory<T>(stages);
+  __syncthreads(); // every warp is done with the stages
+  tile.for_each([&](float w, int r, int c, int) { staged[r * kStride + c] = static_cast<T>(w); });
+  __syncthreads();
+  constexpr int kChunks = kMmaTile * kMmaTile / kVec<T>;
+  const bool whole_chunks = in.n_cols % kVec<T> == 0 && reinterpret_cast<uintptr_t>(weights) % 16 == 0;
+  for (int q = threadIdx.x; q < kChunks; q += kMmaThreads) {
+    const int row = q / (kMmaTile / kVec<T>);
+    const int col = q % (kMmaTile / kVec<T>) * kVec<T>;
+    const int64_t r = row0 + row;
+    const int64_t c = col0 + col;
+    if (r >= in.n_rows || c >= in.n_cols) continue;
+    const T* from = staged + row * kStride + col; // 16-byte aligned: kStride · sizeof(T) is a multiple of 16
+    T* to = weights + r * in.n_cols + c;
+    if (whole_chunks) {
+      *reinterpret_cast<Packed<T, kVec<T>>*>(to) = *reinterpret_cast<const Packed<T, kVec<T>>*>(from);
+    } else {
+      for (int v = 0; v < kVec<T> && c + v < in.n_cols; ++v) to[v] = from[v];
+    }
+  }
+}
 
 // Whether `kernel`, built on these tiles, can take these features: whole
 // 16-byte chunks per row from an aligned start, and a binary for this GPU
