@@ -68,10 +68,11 @@ struct TileOrigin {
 };
 
 // A tile of pairs rows × cols and their logits, made in place from the tile
-// of S. The left-out pairs' logits are set to -inf, which contributes exactly nothing to an LSE (below, a
-// -inf logit never counts, as exp(-inf) = 0), so the loops over the tile
-// need no test for them. The loops test the set inline from the int32 class
-// ids, branch-free, so that they vectorise.
+// of S. The left-out pairs' logits are set to -inf, which contributes
+// exactly nothing to an LSE (below, a -inf logit never counts, as
+// exp(-inf) = 0), so the loops over the tile need no test for them. The
+// loops test the set inline from the int32 class ids, branch-free, so that
+// they vectorise.
 template <typename T>
 struct PairTile {
   at::Tensor logits; // (R, C)

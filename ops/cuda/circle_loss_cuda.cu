@@ -33,8 +33,9 @@
 // tensor cores instead (mma_tiles.cuh), in registers, and never write it:
 //   tile_lse_kernel       the loss pass in one launch over every tile on and
 //                         above the diagonal, partials as strip_lse_kernel's.
-//   tile_weights_kernel   the gradient pass's W, strip by strip, straight from
-//                         the tiles; cuBLAS then multiplies W by F as above.
+//   tile_weights_kernel   (mma_tiles.cuh, with GlobalWeightRule) the gradient
+//                         pass's W, strip by strip, straight from the tiles;
+//                         cuBLAS then multiplies W by F as above.
 //
 // No atomics: every reduction runs in a fixed order, cuBLAS is reproducible on
 // a given GPU, so results are bitwise the same from run to run. Nothing waits
