@@ -18,6 +18,8 @@ from reference import (
     relative_error,
 )
 
+# A dtype that takes the tensor-core tiles on CUDA (rows of whole 16-byte chunks).
+HALF_PRECISION = pytest.param(torch.bfloat16, marks=pytest.mark.half_precision, id="bfloat16")
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 SHAPES = [  # (B, D, classes, M or None): tiny, odd, tile edges, several tiles
@@ -165,7 +167,7 @@ def test_half_precision_inputs(device, dtype, refs):
     assert_anchor_matches_reference(features, labels, ref, ref_labels)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, pytest.param(torch.bfloat16, marks=pytest.mark.half_precision)])
+@pytest.mark.parametrize("dtype", [torch.float64, HALF_PRECISION])
 @pytest.mark.parametrize("layout", ["all_same", "all_distinct", "singletons_and_pairs", "ref_disjoint"])
 @pytest.mark.sanitize
 def test_rows_with_an_empty_set_give_zero(device, layout, dtype):
@@ -212,9 +214,10 @@ def test_empty_inputs(device):
     assert losses.shape == (0,) and grad_q.shape == (0, 8)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF_PRECISION])
 @pytest.mark.sanitize
-def test_nan_propagates(device):
-    features, labels = make_inputs(40, 8, 3, device)
+def test_nan_propagates(device, dtype):
+    features, labels = make_inputs(40, 8, 3, device, dtype)
     features[3, 2] = float("nan")
     losses = torch.ops.circle.anchor_loss(features, labels)
     assert torch.isnan(losses[3])
@@ -222,10 +225,11 @@ def test_nan_propagates(device):
 
 # The CPU kernels sum a tile's exps against one shift per set where every
 # row's and column's largest logit lies near it, and against each row's and
-# column's own where they lie far apart (ops/cpu/anchor_loss_cpu.cpp): here a
-# positive pair of opposite rows in different tiles (z ≈ 1000, about 250
+# column's own where they lie far apart (ops/cpu/anchor_loss_cpu.cpp); the
+# CUDA tensor-core tiles against each share of a row's or column's own: here
+# a positive pair of opposite rows in different tiles (z ≈ 1000, about 250
 # elsewhere). Each row's loss is held to the reference, not only the norm.
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, HALF_PRECISION])
 def test_tiles_of_far_apart_logits(device, dtype):
     features, labels = make_inputs(300, 16, 3, device, torch.float64)
     labels[280] = labels[0]

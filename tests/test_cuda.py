@@ -254,7 +254,9 @@ def test_several_strips_edge_cases(layout, dtype):
 # circle::anchor_loss: strips of S too, with per-row states. Without a
 # reference set B = 4500 gives 2 strips (3 in float64; S from each strip's
 # first row on, the mirrored pairs reduced by column); against M = 140 000
-# references a strip holds 128 of the 300 rows.
+# references a strip holds 128 of the 300 rows. The float16/bfloat16 forward
+# keeps only its tensor-core tiles' partial states, in strips of at most
+# 64 Mi entries of S: B = 9000 takes two, 1000 rows against M = 140 000 three.
 def anchor_loss_and_grads(features, labels, ref=None, ref_labels=None):
     losses = torch.ops.circle.anchor_loss(features, labels, ref, ref_labels)
     weights = torch.linspace(0.5, 1.5, losses.numel(), device=losses.device, dtype=losses.dtype)
@@ -262,31 +264,44 @@ def anchor_loss_and_grads(features, labels, ref=None, ref_labels=None):
     return (losses, *torch.autograd.grad((losses * weights).sum(), inputs))
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, BFLOAT16])
-@pytest.mark.parametrize("case", ["self", "reference"])
-@pytest.mark.sanitize
-def test_anchor_loss_over_several_strips(dtype, case):
-    from test_anchor_loss import assert_anchor_matches_reference
+SEVERAL_STRIPS = [
+    pytest.param(4500, None, marks=pytest.mark.sanitize, id="self"),
+    pytest.param(300, 140_000, marks=pytest.mark.sanitize, id="reference"),
+    pytest.param(9000, None, id="self, tile strips"),
+    pytest.param(1000, 140_000, id="reference, tile strips"),
+]
 
-    if case == "self":
-        features, labels = make_inputs(4500, 24, 60, "cuda", dtype)
-        assert_anchor_matches_reference(features, labels, weights=torch.rand(4500, device="cuda", dtype=dtype))
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, FLOAT16, BFLOAT16])
+@pytest.mark.parametrize("batch,refs", SEVERAL_STRIPS)
+def test_anchor_loss_over_several_strips(dtype, batch, refs):
+    from test_anchor_loss import assert_anchor_matches_reference, memory_bank
+
+    if batch in (9000, 1000) and dtype in (torch.float64, torch.float32):
+        pytest.skip("only float16/bfloat16 take the tile strips")
+    features, labels = make_inputs(batch, 24, 60 if refs is None else 4, "cuda", dtype)
+    if refs is None:
+        assert_anchor_matches_reference(features, labels, weights=torch.rand(batch, device="cuda", dtype=dtype))
     else:
-        features, labels = make_inputs(300, 8, 4, "cuda", dtype)
-        ref, ref_labels = make_inputs(140_000, 8, 4, "cuda", dtype)
+        ref, ref_labels, position = memory_bank(features, labels, refs, refs - batch // 2)
         assert_anchor_matches_reference(features, labels, ref, ref_labels)
         assert_anchor_matches_reference(features, labels, ref, ref_labels, ref_grad=False)
+        assert_anchor_matches_reference(features, labels, ref, ref_labels, ref_self_index=position)
 
 
-# (B, M or None, whether the references need a gradient)
-ANCHOR_CASES = {"small": (200, None, False), "self strips": (4500, None, False),
-                "reference strips": (300, 140_000, True), "bank strips": (300, 140_000, False)}
+# (B, M or None, whether the references need a gradient, dtype): float32 on
+# cuBLAS's strips, bfloat16 on the tensor-core tiles.
+ANCHOR_CASES = {"small": (200, None, False, torch.float32), "self strips": (4500, None, False, torch.float32),
+                "reference strips": (300, 140_000, True, torch.float32),
+                "bank strips": (300, 140_000, False, torch.float32),
+                "self tiles": (9000, None, False, torch.bfloat16),
+                "reference tiles": (1000, 140_000, True, torch.bfloat16)}
 
 
-def anchor_case_inputs(batch, refs, ref_grad):
+def anchor_case_inputs(batch, refs, ref_grad, dtype):
     """Features (requiring grad) and labels, and a reference set where refs is given."""
-    x, y = make_inputs(batch, 16, 7, "cuda")
-    r, ry = make_inputs(refs, 16, 7, "cuda") if refs else (None, None)
+    x, y = make_inputs(batch, 16, 7, "cuda", dtype)
+    r, ry = make_inputs(refs, 16, 7, "cuda", dtype) if refs else (None, None)
     x.requires_grad_()
     if r is not None:
         r.requires_grad_(ref_grad)
@@ -295,8 +310,8 @@ def anchor_case_inputs(batch, refs, ref_grad):
 
 @pytest.mark.parametrize("case", list(ANCHOR_CASES))
 def test_anchor_loss_graph_capture_and_replay(case):
-    batch, refs, ref_grad = ANCHOR_CASES[case]
-    x, y, r, ry = anchor_case_inputs(batch, refs, ref_grad)
+    batch, refs, ref_grad, dtype = ANCHOR_CASES[case]
+    x, y, r, ry = anchor_case_inputs(batch, refs, ref_grad, dtype)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -308,8 +323,8 @@ def test_anchor_loss_graph_capture_and_replay(case):
         captured = anchor_loss_and_grads(x, y, r, ry)
     for _ in range(2):  # fresh data through the same graph
         with torch.no_grad():
-            x.copy_(make_inputs(batch, 16, 7, "cuda")[0])
-        y.copy_(make_inputs(batch, 16, 7, "cuda")[1])
+            x.copy_(make_inputs(batch, 16, 7, "cuda", dtype)[0])
+        y.copy_(make_inputs(batch, 16, 7, "cuda", dtype)[1])
         graph.replay()
         torch.cuda.synchronize()
         eager = anchor_loss_and_grads(x, y, r, ry)
@@ -318,8 +333,8 @@ def test_anchor_loss_graph_capture_and_replay(case):
 
 @pytest.mark.parametrize("case", list(ANCHOR_CASES))
 def test_anchor_loss_bitwise_deterministic_across_streams(case):
-    batch, refs, ref_grad = ANCHOR_CASES[case]
-    x, y, r, ry = anchor_case_inputs(batch, refs, ref_grad)
+    batch, refs, ref_grad, dtype = ANCHOR_CASES[case]
+    x, y, r, ry = anchor_case_inputs(batch, refs, ref_grad, dtype)
     expected = anchor_loss_and_grads(x, y, r, ry)
     for _ in range(3):
         stream = torch.cuda.Stream()

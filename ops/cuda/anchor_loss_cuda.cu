@@ -16,9 +16,14 @@
 // without a reference set, from the one entry s_ij), and cuBLAS multiplies:
 // dQ = W R and, where the references need a gradient, dR = Wᵀ Q (without a
 // reference set both go to Q, as in the global op's gradient pass).
-// float16/bfloat16 rows of whole 16-byte chunks have the strips' W made
-// straight from tensor-core tiles (mma_tiles.cuh's tile_weights_kernel, with
-// AnchorWeightRule), S never in memory.
+// float16/bfloat16 rows of whole 16-byte chunks form S on the tensor cores
+// (mma_tiles.cuh) and never write it:
+//   tile_states_kernel        the forward: each tile's row states and, without
+//                             a reference set, above the diagonal its column
+//                             states, written as partials;
+//   merge_tile_states_kernel  folds them into the rows' running states;
+//   tile_weights_kernel       (mma_tiles.cuh, with AnchorWeightRule) the
+//                             backward's W, strip by strip, for cuBLAS as above.
 //
 // Every reduction runs in an order fixed by the shapes and the GPU, and
 // cuBLAS is reproducible on a given GPU, so results are bitwise the same from
@@ -369,6 +374,253 @@ struct AnchorWeightRule {
   }
 };
 
+// Tiles of the tensor-core kernels along n rows or columns, and the most a
+// grid's y may count.
+__host__ __device__ constexpr int64_t tiles(int64_t n) { return (n + kMmaTile - 1) / kMmaTile; }
+constexpr int64_t kMaxGridY = 65535;
+
+// exp(z - largest) for a logit z of a set whose maximum is largest: 0 for an
+// entry that is no pair (-inf), exactly 1 at the maximum (an infinite one too).
+__device__ __forceinline__ float term_at(float z, float largest) {
+  if (z == -std::numeric_limits<float>::infinity()) return 0.0f;
+  return z == largest ? 1.0f : fast_exp2(fmaf(z, kLog2e, -largest * kLog2e));
+}
+
+// What tile_states_kernel keeps in the stages' memory once its products are
+// done: the tile's logits for the column states, each warp's states of its
+// share of the rows, and each column's states over the tile's lower half of
+// rows, as PairStates records.
+struct TileStatesScratch {
+  static constexpr int kStride = kMmaTile + 8; // padded rows: a warp's paired stores fall in distinct banks
+  float logits[kMmaTile * kStride]; // -inf where an entry is no pair
+  float row_states[TileAccumulators::kWarpsPerRow * kMmaTile * PairStates<float>::kValues];
+  float col_states[kMmaTile * PairStates<float>::kValues]; // the tile's lower half of rows
+};
+static_assert(sizeof(TileStatesScratch) <= kMmaSharedBytes - kStageAlignment, "the scratch fits in the stages");
+
+// Which entries of a tile are pairs: the strip's self pair (i, i) on a
+// diagonal tile, the rows' left-out columns, and anything past the ends are not.
+struct TilePairs {
+  int skipped[kMmaTile]; // the column of the tile with each row's pair in no set, or -1
+  int valid_rows;
+  int valid_cols;
+};
+
+// The row states of a tile whose entries hold S on entry and, on exit, their
+// logits (-inf where they are no pair): each warp's (max, Σ exp(z - max)) of
+// both sets over its share of each row, in scratch.row_states[row_warp()][row].
+// kEveryEntry: every entry is a pair, and none is tested.
+template <bool kEveryEntry>
+__device__ __forceinline__ void tile_row_states(
+    TileAccumulators& tile,
+    const TileLabels& labels,
+    const TilePairs& pairs,
+    const PairLogit<float>& logit,
+    TileStatesScratch& scratch) {
+  constexpr int kSlots = TileAccumulators::kRowSlots;
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  // Plain arrays, each entry picking one by a select, keep them in registers.
+  float positive_max[kSlots];
+  float negative_max[kSlots];
+  float positive_sum[kSlots] = {};
+  float negative_sum[kSlots] = {};
+#pragma unroll
+  for (int slot = 0; slot < kSlots; ++slot) positive_max[slot] = negative_max[slot] = kNone;
+  // The pairs of each of the thread's rows: the columns below its end (0
+  // for a row past the tile's end) but the skipped one.
+  int end[kSlots];
+  int skipped[kSlots];
+  if constexpr (!kEveryEntry) {
+#pragma unroll
+    for (int slot = 0; slot < kSlots; ++slot) {
+      const int r = TileAccumulators::slot_row(slot);
+      end[slot] = r < pairs.valid_rows ? pairs.valid_cols : 0;
+      skipped[slot] = pairs.skipped[r];
+    }
+  }
+  uint32_t positives[TileAccumulators::kEntries / 32] = {};
+  const auto is_positive = [&](int k) { return (positives[k / 32] & 1u << k % 32) != 0u; };
+  tile.for_each([&](float& s, int r, int c, int k) {
+    const bool in_positive = labels.positive(r, c);
+    positives[k / 32] |= static_cast<uint32_t>(in_positive) << k % 32;
+    const int slot = TileAccumulators::row_slot(k);
+    float slope;
+    s = logit(s, in_positive, &slope);
+    if constexpr (!kEveryEntry) {
+      if (c >= end[slot] || c == skipped[slot]) s = kNone;
+    }
+    if (in_positive) {
+      positive_max[slot] = fast_nan_max(positive_max[slot], s);
+    } else {
+      negative_max[slot] = fast_nan_max(negative_max[slot], s);
+    }
+  });
+#pragma unroll
+  for (int slot = 0; slot < kSlots; ++slot) {
+#pragma unroll
+    for (int lanes = 1; lanes < 4; lanes <<= 1) {
+      positive_max[slot] = fast_nan_max(positive_max[slot], __shfl_xor_sync(0xffffffffu, positive_max[slot], lanes));
+      negative_max[slot] = fast_nan_max(negative_max[slot], __shfl_xor_sync(0xffffffffu, negative_max[slot], lanes));
+    }
+  }
+  tile.for_each([&](float z, int, int, int k) {
+    const int slot = TileAccumulators::row_slot(k);
+    const bool in_positive = is_positive(k);
+    const float term = term_at(z, in_positive ? positive_max[slot] : negative_max[slot]);
+    positive_sum[slot] += in_positive ? term : 0.0f;
+    negative_sum[slot] += in_positive ? 0.0f : term;
+  });
+#pragma unroll
+  for (int slot = 0; slot < kSlots; ++slot) {
+#pragma unroll
+    for (int lanes = 1; lanes < 4; lanes <<= 1) {
+      positive_sum[slot] += __shfl_xor_sync(0xffffffffu, positive_sum[slot], lanes);
+      negative_sum[slot] += __shfl_xor_sync(0xffffffffu, negative_sum[slot], lanes);
+    }
+    if (threadIdx.x % 4 == 0) {
+      PairStates<float>{{positive_max[slot], positive_sum[slot]}, {negative_max[slot], negative_sum[slot]}}.store_at(
+          scratch.row_states, TileAccumulators::row_warp() * kMmaTile + TileAccumulators::slot_row(slot));
+    }
+  }
+}
+
+// Row and column partial states of one kMmaTile² tile of a strip's
+// rows · colsᵀ, formed on the tensor cores and reduced in place, S never in
+// memory: the forward of float16/bfloat16 batches. Every tile gives its rows'
+// states over its columns, row_partials[row][tj]. Without a reference set
+// (cols is the strip's rows onwards) only the tiles on and above the strip's
+// diagonal are formed, and those above it also give their columns' states
+// over the tile's rows, col_partials[col][ti]: the pairs (j, i) of the rows
+// they belong to. Each row's (column's) partials lie together, for the fold.
+// Every share of a row or column is summed against its own maximum, so the
+// states are exact however far apart the logits lie: one exp an entry for
+// the rows, one more for the columns.
+template <typename T>
+__global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
+    const TileOperands<T> in,
+    bool self,
+    const int64_t* __restrict__ left_out, // (n_rows,): with a reference set, each row's left-out column of it; or null
+    PairLogit<float> logit,
+    float* __restrict__ row_partials, // (n_rows, col_tiles, 4)
+    float* __restrict__ col_partials) { // (n_cols, row_tiles, 4): self only
+  const int64_t ti = blockIdx.x;
+  const int64_t tj = blockIdx.y;
+  if (self && tj < ti) return;
+  extern __shared__ __align__(128) unsigned char stages[];
+  __shared__ TileLabels labels;
+  __shared__ TilePairs pairs;
+  const int64_t row0 = ti * kMmaTile;
+  const int64_t col0 = tj * kMmaTile;
+  labels.load(in, row0, col0);
+  if (threadIdx.x < kMmaTile) {
+    const int64_t r = row0 + threadIdx.x;
+    const int64_t column = self && ti == tj ? r : left_out != nullptr && r < in.n_rows ? left_out[r] : -1;
+    const int64_t skipped = column >= 0 ? column - col0 : -1;
+    pairs.skipped[threadIdx.x] = skipped >= 0 && skipped < kMmaTile ? static_cast<int>(skipped) : -1;
+  }
+  if (threadIdx.x == 0) {
+    pairs.valid_rows = static_cast<int>(std::min<int64_t>(in.n_rows - row0, kMmaTile));
+    pairs.valid_cols = static_cast<int>(std::min<int64_t>(in.n_cols - col0, kMmaTile));
+  }
+  TileAccumulators tile;
+  multiply_tile(tile, in, row0, col0, stage_memory<T>(stages));
+  __syncthreads(); // the labels and pairs, and every warp is done with the stages
+  TileStatesScratch& scratch = *stage_memory<TileStatesScratch>(stages);
+  const bool every_entry = pairs.valid_rows == kMmaTile && pairs.valid_cols == kMmaTile && !(self && ti == tj) &&
+      left_out == nullptr;
+  if (every_entry) {
+    tile_row_states<true>(tile, labels, pairs, logit, scratch);
+  } else {
+    tile_row_states<false>(tile, labels, pairs, logit, scratch);
+  }
+  const bool columns = self && tj > ti;
+  if (columns) {
+    // The logits to shared memory, two adjacent columns a store.
+#pragma unroll
+    for (int f = 0; f < TileAccumulators::kFragments; ++f) {
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int r = TileAccumulators::row_of(f, e);
+        const int c = TileAccumulators::col_of(f, e);
+        *reinterpret_cast<float2*>(&scratch.logits[r * TileStatesScratch::kStride + c]) =
+            make_float2(tile.acc[f][e], tile.acc[f][e + 1]);
+      }
+    }
+  }
+  __syncthreads(); // the row states and the logits
+  if (threadIdx.x < kMmaTile && row0 + threadIdx.x < in.n_rows) {
+    PairStates<float> state = PairStates<float>::at(scratch.row_states, threadIdx.x);
+    for (int w = 1; w < TileAccumulators::kWarpsPerRow; ++w) {
+      state.merge(PairStates<float>::at(scratch.row_states, w * kMmaTile + threadIdx.x));
+    }
+    state.store_at(row_partials, (row0 + threadIdx.x) * gridDim.y + tj);
+  }
+  if (!columns) return;
+  // Column c of the tile, over half its rows a thread: its maxima, then its
+  // sums at them.
+  constexpr int kHalf = kMmaTile / 2;
+  static_assert(2 * kMmaTile == kMmaThreads, "a column's two halves");
+  const int c = threadIdx.x % kMmaTile;
+  const int first = threadIdx.x / kMmaTile * kHalf;
+  const int64_t label = labels.col[c];
+  const float* logits = scratch.logits + first * TileStatesScratch::kStride + c;
+  uint64_t positives = 0;
+  PairStates<float> state;
+#pragma unroll 8
+  for (int r = 0; r < kHalf; ++r) {
+    const bool in_positive = labels.row[first + r] == label;
+    positives |= static_cast<uint64_t>(in_positive) << r;
+    float& largest = in_positive ? state.positive.max : state.negative.max;
+    largest = fast_nan_max(largest, logits[r * TileStatesScratch::kStride]);
+  }
+#pragma unroll 8
+  for (int r = 0; r < kHalf; ++r) {
+    LseState<float>& set = (positives >> r & 1u) != 0u ? state.positive : state.negative;
+    set.sum += term_at(logits[r * TileStatesScratch::kStride], set.max);
+  }
+  if (first != 0) state.store_at(scratch.col_states, c);
+  __syncthreads();
+  if (first == 0 && col0 + c < in.n_cols) {
+    state.merge(PairStates<float>::at(scratch.col_states, c));
+    state.store_at(col_partials, (col0 + c) * gridDim.x + ti);
+  }
+}
+
+// The strip's tile partials folded, in a fixed order, into the running states
+// (n, 4) of the rows they belong to, from the strip's first row (merged, or
+// written on first_visit), a warp each: rows [0, n_rows) take their tiles'
+// row partials from their own tile on (self) or all of them; without a
+// reference set, strip row or later row i (i < n_cols) also takes the column
+// partials of the strip's row tiles above its own.
+__global__ void __launch_bounds__(kThreads) merge_tile_states_kernel(
+    const float* __restrict__ row_partials, // (n_rows, col_tiles, 4)
+    const float* __restrict__ col_partials, // (n_cols, row_tiles, 4): self only
+    int64_t n_rows,
+    int64_t n_cols,
+    bool self,
+    bool first_visit,
+    float* __restrict__ states) { // (self ? n_cols : n_rows, 4)
+  const int64_t i = (blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x) / 32;
+  if (i >= (self ? n_cols : n_rows)) return; // the warp as a whole
+  constexpr int64_t kValues = PairStates<float>::kValues;
+  const int64_t own_tile = i / kMmaTile;
+  const int64_t col_tiles = tiles(n_cols);
+  const int64_t row_tiles = tiles(n_rows);
+  PairStates<float> state;
+  if (i < n_rows) {
+    const int64_t first = self ? own_tile : 0;
+    fold_partials<32, FoldOrder::kBlockMaxFirst>(row_partials + kValues * (i * col_tiles + first), col_tiles - first,
+                                                 static_cast<float*>(nullptr), state.positive, state.negative);
+  }
+  if (self) {
+    PairStates<float> mirrored;
+    fold_partials<32, FoldOrder::kBlockMaxFirst>(col_partials + kValues * i * row_tiles, std::min(own_tile, row_tiles),
+                                                 static_cast<float*>(nullptr), mirrored.positive, mirrored.negative);
+    state.merge(mirrored);
+  }
+  if (threadIdx.x % 32 == 0) merge_row_state(states, i, state.positive, state.negative, first_visit);
+}
+
 unsigned blocks_for(int64_t n) {
   return static_cast<unsigned>(std::max<int64_t>((n + kThreads - 1) / kThreads, 1));
 }
@@ -408,7 +660,9 @@ class AnchorPasses {
         largest_strip_(strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols) {
     if constexpr (kHasMmaTiles<scalar_t>) {
       tensor_cores_ = mma_tiles_apply<tile_weights_kernel<scalar_t, AnchorWeightRule>>(q.features) &&
-          mma_tiles_apply<tile_weights_kernel<scalar_t, AnchorWeightRule>>(r.features);
+          mma_tiles_apply<tile_weights_kernel<scalar_t, AnchorWeightRule>>(r.features) &&
+          mma_tiles_apply<tile_states_kernel<scalar_t>>(q.features) &&
+          mma_tiles_apply<tile_states_kernel<scalar_t>>(r.features) && tiles(r.size()) <= kMaxGridY;
     }
   }
 
@@ -417,8 +671,12 @@ class AnchorPasses {
     const int64_t batch = q_.size();
     at::Tensor states = at::empty({batch, PairStates<acc_t>::kValues}, accumulation_);
     acc_t* state = states.data_ptr<acc_t>();
-    for (const Strip& strip : strips_) {
-      reduce_strip(strip, strip_similarities(q_, r_, strip, similarity_space()), state);
+    if (tensor_cores_) {
+      reduce_on_tiles(state);
+    } else {
+      for (const Strip& strip : strips_) {
+        reduce_strip(strip, strip_similarities(q_, r_, strip, similarity_space()), state);
+      }
     }
     finish_rows_kernel<scalar_t, acc_t><<<blocks_for(batch), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         state, batch, losses.data_ptr<scalar_t>(), row_lse.data_ptr<acc_t>(), nullptr);
@@ -531,6 +789,43 @@ class AnchorPasses {
     }
   }
 
+  // The states (B, 4) of every row from tile_states_kernel's partials, strip
+  // by strip. Only the partials go to memory, 16 bytes for each row (and,
+  // without a reference set, each column) of a tile: at most a quarter of a
+  // byte for each entry of S. Strips budgeted at a byte an entry keep them to
+  // a quarter of kStripBytes; taller ones would save only launches.
+  void reduce_on_tiles(acc_t* states) const {
+    if constexpr (kHasMmaTiles<scalar_t>) {
+      const auto stream = c10::cuda::getCurrentCUDAStream();
+      const std::vector<Strip> strips = plan_strips(q_.size(), r_.size(), self_, 1);
+      constexpr int64_t kValues = PairStates<float>::kValues;
+      const Strip& largest = strips.front();
+      const at::Tensor row_partials = at::empty({tiles(largest.cols) * largest.rows * kValues}, accumulation_);
+      const at::Tensor col_partials = at::empty({self_ ? tiles(largest.rows) * largest.cols * kValues : 0}, accumulation_);
+      for (const Strip& strip : strips) {
+        if (strip.cols > 0) {
+          const dim3 grid(static_cast<unsigned>(tiles(strip.rows)), static_cast<unsigned>(tiles(strip.cols)));
+          tile_states_kernel<scalar_t><<<grid, kMmaThreads, kMmaSharedBytes, stream>>>(
+              tile_operands(strip), self_, left_out(strip), logit_, row_partials.data_ptr<float>(),
+              col_partials.data_ptr<float>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+        const bool first_visit = !self_ || strip.row0 == 0;
+        merge_tile_states_kernel<<<blocks_for(32 * (self_ ? strip.cols : strip.rows)), kThreads, 0, stream>>>(
+            row_partials.data_ptr<float>(), col_partials.data_ptr<float>(), strip.rows, strip.cols, self_, first_visit,
+            states + kValues * strip.row0);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    }
+  }
+
+  // The strip's two sides as the tensor-core kernels take them.
+  TileOperands<scalar_t> tile_operands(const Strip& strip) const {
+    const int64_t dim = q_.dim();
+    return {q_.features.data_ptr<scalar_t>() + strip.row0 * dim, row_labels(strip), strip.rows,
+            r_.features.data_ptr<scalar_t>() + strip.col0 * dim, col_labels(strip), strip.cols, dim};
+  }
+
   // The workspace of S's strips in acc_t, (largest strip,), made on first use.
   const at::Tensor& similarity_space() {
     if (!workspace_.defined()) workspace_ = at::empty({largest_strip_}, accumulation_);
@@ -552,14 +847,10 @@ class AnchorPasses {
     if constexpr (kHasMmaTiles<scalar_t>) {
       // x over the strip's rows of tiles, the fastest: the CTAs resident at
       // once share their columns' operand tiles through L2.
-      const dim3 grid(static_cast<unsigned>((strip.rows + kMmaTile - 1) / kMmaTile),
-                      static_cast<unsigned>((strip.cols + kMmaTile - 1) / kMmaTile));
-      const int64_t dim = q_.dim();
+      const dim3 grid(static_cast<unsigned>(tiles(strip.rows)), static_cast<unsigned>(tiles(strip.cols)));
       tile_weights_kernel<scalar_t, AnchorWeightRule>
           <<<grid, kMmaThreads, kMmaSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
-              TileOperands<scalar_t>{q_.features.data_ptr<scalar_t>() + strip.row0 * dim, row_labels(strip), strip.rows,
-                                     r_.features.data_ptr<scalar_t>() + strip.col0 * dim, col_labels(strip), strip.cols,
-                                     dim},
+              tile_operands(strip),
               AnchorWeightRule{logit_, row_coefficients, col_coefficients, strip.rows, strip.cols, strip.row0,
                                strip.col0, left_out(strip)},
               weights.data_ptr<scalar_t>());

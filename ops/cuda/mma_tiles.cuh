@@ -1,8 +1,8 @@
 // Tiles of S = rows · colsᵀ on the tensor cores, for float16 and bfloat16
 // features: S accumulates in float32 registers and is handed to an epilogue
-// in place, so that it never goes to memory. Used by circle_loss_cuda.cu for
-// the LSE partials and the gradient weights of half-precision batches, and by
-// anchor_loss_cuda.cu for the gradient weights.
+// in place, so that it never goes to memory. Used by circle_loss_cuda.cu and
+// anchor_loss_cuda.cu for the LSE partials and the gradient weights of
+// half-precision batches.
 //
 // A CTA of kMmaThreads threads owns a kMmaTile × kMmaTile tile of S. The
 // features pass through shared memory kMmaK at a time in kMmaStages stages,
@@ -125,6 +125,25 @@ struct TileAccumulators {
   }
 
   static constexpr int kEntries = kFragments * 4;
+
+  // The rows a thread holds, kRowSlots of them: entry k (as for_each numbers
+  // it) is in slot row_slot(k), which is row slot_row(slot) of the tile. The
+  // four lanes lane ^ 1, lane ^ 2 of a warp hold the same rows; kWarpsPerRow
+  // warps share a row, this one being row_warp() among them.
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
+  static constexpr int kRowSlots = 2;
+  static constexpr int kWarpsPerRow = 1;
+  __device__ __forceinline__ static int row_slot(int k) { return k % 4 / 2; }
+  __device__ __forceinline__ static int row_warp() { return 0; }
+#else
+  static constexpr int kRowSlots = kMmaRowTiles * 2;
+  static constexpr int kWarpsPerRow = kMmaTile / kWarpCols;
+  __device__ __forceinline__ static int row_slot(int k) { return k / 4 / kMmaColTiles * 2 + k % 4 / 2; }
+  __device__ __forceinline__ static int row_warp() { return threadIdx.x / 32 % kWarpsPerRow; }
+#endif
+  __device__ __forceinline__ static int slot_row(int slot) {
+    return row_of(slot / 2 * kMmaColTiles, slot % 2 * 2);
+  }
 
   // visit(s, r, c, k) for each of the thread's entries s, at (r, c) in the
   // tile; k in [0, kEntries) numbers them.
