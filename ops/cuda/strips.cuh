@@ -6,6 +6,7 @@
 
 #include "common.cuh"
 
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
 
 #include <algorithm>
@@ -132,7 +133,7 @@ inline void matmul_add(at::Tensor out, const at::Tensor& a, const at::Tensor& b)
   if (a.scalar_type() == out.scalar_type()) {
     out.addmm_(a, b);
   } else {
-    out.add_(at::mm(a, b, out.scalar_type()));
+    at::addmm_out(out, out, a, b, out.scalar_type()); // the add in cuBLAS's epilogue, not a pass of its own
   }
 }
 
