@@ -115,6 +115,19 @@ __device__ __forceinline__ int64_t left_out_column(bool self, const int64_t* lef
   return c >= 0 && c < cols ? c : -1;
 }
 
+// The column of the tile whose first column is col0 (within the strip) that
+// holds strip row r's pair in no set, or -1; as left_out_column.
+__device__ __forceinline__ int tile_left_out_column(
+    bool self,
+    const int64_t* left_out,
+    int64_t r,
+    int64_t strip_col0,
+    int64_t cols,
+    int64_t col0) {
+  const int64_t c = left_out_column(self, left_out, r, strip_col0, cols);
+  return c >= col0 && c < col0 + kMmaTile ? static_cast<int>(c - col0) : -1;
+}
+
 // Row r of the strip: merges its pairs' LSE states into states[r] (writes
 // them there on the row's first visit).
 template <typename acc_t>
@@ -323,7 +336,6 @@ struct AnchorWeightRule {
   const float* col_coefficients; // (n_cols, 3): the strip's columns without a reference set, else null
   int64_t n_rows;
   int64_t n_cols;
-  int64_t first_row; // the strip's, in features
   int64_t first_col; // the strip's, in the reference set (features without one)
   const int64_t* left_out; // (n_rows,): with a reference set, each row's left-out column of it; or null
 
@@ -353,11 +365,7 @@ struct AnchorWeightRule {
       const int64_t r = row0 + i;
       const bool inside = r < n_rows;
       shared.row[i] = scaled(row_coefficients, r, inside);
-      // Its pair in no set, as a column of the whole set: (i, i) without a
-      // reference set, else left_out's.
-      const int64_t column = self ? first_row + r : left_out != nullptr ? left_out[r] : -1;
-      const int64_t skipped = inside && column >= 0 ? column - first_col - col0 : -1;
-      shared.skipped[i] = skipped >= 0 && skipped < kMmaTile ? static_cast<int>(skipped) : -1;
+      shared.skipped[i] = inside ? tile_left_out_column(self, left_out, r, first_col, n_cols, col0) : -1;
     } else {
       const int64_t c = col0 + i;
       shared.col[i] = scaled(col_coefficients, c, self && c < n_cols);
@@ -500,6 +508,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
     const TileOperands<T> in,
     bool self,
     const int64_t* __restrict__ left_out, // (n_rows,): with a reference set, each row's left-out column of it; or null
+    int64_t strip_col0, // the strip's first column, in its set: where left_out's columns start
     PairLogit<float> logit,
     float* __restrict__ row_partials, // (n_rows, col_tiles, 4)
     float* __restrict__ col_partials) { // (n_cols, row_tiles, 4): self only
@@ -514,9 +523,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
   labels.load(in, row0, col0);
   if (threadIdx.x < kMmaTile) {
     const int64_t r = row0 + threadIdx.x;
-    const int64_t column = self && ti == tj ? r : left_out != nullptr && r < in.n_rows ? left_out[r] : -1;
-    const int64_t skipped = column >= 0 ? column - col0 : -1;
-    pairs.skipped[threadIdx.x] = skipped >= 0 && skipped < kMmaTile ? static_cast<int>(skipped) : -1;
+    pairs.skipped[threadIdx.x] = r < in.n_rows ? tile_left_out_column(self, left_out, r, strip_col0, in.n_cols, col0) : -1;
   }
   if (threadIdx.x == 0) {
     pairs.valid_rows = static_cast<int>(std::min<int64_t>(in.n_rows - row0, kMmaTile));
@@ -564,20 +571,33 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
   const int first = threadIdx.x / kMmaTile * kHalf;
   const int64_t label = labels.col[c];
   const float* logits = scratch.logits + first * TileStatesScratch::kStride + c;
+  // Plain floats, each entry picking one by a select, as for the rows: a
+  // reference to one set's state or the other's would keep them in local
+  // memory, a load and a store an entry.
   uint64_t positives = 0;
-  PairStates<float> state;
+  float positive_max = -std::numeric_limits<float>::infinity();
+  float negative_max = -std::numeric_limits<float>::infinity();
 #pragma unroll 8
   for (int r = 0; r < kHalf; ++r) {
     const bool in_positive = labels.row[first + r] == label;
     positives |= static_cast<uint64_t>(in_positive) << r;
-    float& largest = in_positive ? state.positive.max : state.negative.max;
-    largest = fast_nan_max(largest, logits[r * TileStatesScratch::kStride]);
+    const float z = logits[r * TileStatesScratch::kStride];
+    if (in_positive) {
+      positive_max = fast_nan_max(positive_max, z);
+    } else {
+      negative_max = fast_nan_max(negative_max, z);
+    }
   }
+  float positive_sum = 0.0f;
+  float negative_sum = 0.0f;
 #pragma unroll 8
   for (int r = 0; r < kHalf; ++r) {
-    LseState<float>& set = (positives >> r & 1u) != 0u ? state.positive : state.negative;
-    set.sum += term_at(logits[r * TileStatesScratch::kStride], set.max);
+    const bool in_positive = (positives >> r & 1u) != 0u;
+    const float term = term_at(logits[r * TileStatesScratch::kStride], in_positive ? positive_max : negative_max);
+    positive_sum += in_positive ? term : 0.0f;
+    negative_sum += in_positive ? 0.0f : term;
   }
+  PairStates<float> state{{positive_max, positive_sum}, {negative_max, negative_sum}};
   if (first != 0) state.store_at(scratch.col_states, c);
   __syncthreads();
   if (first == 0 && col0 + c < in.n_cols) {
@@ -806,7 +826,7 @@ class AnchorPasses {
         if (strip.cols > 0) {
           const dim3 grid(static_cast<unsigned>(tiles(strip.rows)), static_cast<unsigned>(tiles(strip.cols)));
           tile_states_kernel<scalar_t><<<grid, kMmaThreads, kMmaSharedBytes, stream>>>(
-              tile_operands(strip), self_, left_out(strip), logit_, row_partials.data_ptr<float>(),
+              tile_operands(strip), self_, left_out(strip), strip.col0, logit_, row_partials.data_ptr<float>(),
               col_partials.data_ptr<float>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
@@ -851,8 +871,8 @@ class AnchorPasses {
       tile_weights_kernel<scalar_t, AnchorWeightRule>
           <<<grid, kMmaThreads, kMmaSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
               tile_operands(strip),
-              AnchorWeightRule{logit_, row_coefficients, col_coefficients, strip.rows, strip.cols, strip.row0,
-                               strip.col0, left_out(strip)},
+              AnchorWeightRule{logit_, row_coefficients, col_coefficients, strip.rows, strip.cols, strip.col0,
+                               left_out(strip)},
               weights.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
