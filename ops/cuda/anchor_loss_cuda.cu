@@ -747,10 +747,13 @@ class AnchorPasses {
       grad_r.zero_();
       return {grad_q, grad_r};
     }
-    const at::Tensor weight_space = make_weight_space();
+    const std::vector<Strip> strips = gradient_strips();
+    const at::Tensor weight_space = tensor_cores_
+        ? at::empty({strips.front().rows * strips.front().cols}, q_.features.options())
+        : make_weight_space();
     // Last strip first: a strip writes its own rows before any earlier one
     // adds its mirrored share to them.
-    for (auto strip = strips_.rbegin(); strip != strips_.rend(); ++strip) {
+    for (auto strip = strips.rbegin(); strip != strips.rend(); ++strip) {
       const acc_t* coefficient = coefficients.data_ptr<acc_t>();
       constexpr int kValues = RowCoefficients<acc_t>::kValues;
       const acc_t* row_coefficients = coefficient + kValues * strip->row0;
@@ -767,7 +770,7 @@ class AnchorPasses {
           matmul_add(grad_q.narrow(0, strip->row0 + strip->rows, beyond), weights.narrow(1, strip->rows, beyond).t(),
                      own_rows);
         }
-      } else if (ref_grad && strip == strips_.rbegin()) {
+      } else if (ref_grad && strip == strips.rbegin()) {
         matmul_into(grad_r, weights.t(), own_rows);
       } else if (ref_grad) {
         matmul_add(grad_r, weights.t(), own_rows);
@@ -844,6 +847,14 @@ class AnchorPasses {
     const int64_t dim = q_.dim();
     return {q_.features.data_ptr<scalar_t>() + strip.row0 * dim, row_labels(strip), strip.rows,
             r_.features.data_ptr<scalar_t>() + strip.col0 * dim, col_labels(strip), strip.cols, dim};
+  }
+
+  // The backward's strips. On the tensor cores a strip holds only W, in the
+  // features' dtype, so the budget takes twice the rows of float32 S: half
+  // as many launches, and taller products for cuBLAS.
+  std::vector<Strip> gradient_strips() const {
+    if (!tensor_cores_) return strips_;
+    return plan_strips(q_.size(), r_.size(), self_, sizeof(scalar_t), max_strip_height(q_.size(), self_));
   }
 
   // The workspace of S's strips in acc_t, (largest strip,), made on first use.
