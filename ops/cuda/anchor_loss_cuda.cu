@@ -382,9 +382,7 @@ struct AnchorWeightRule {
   }
 };
 
-// Tiles of the tensor-core kernels along n rows or columns, and the most a
-// grid's y may count.
-__host__ __device__ constexpr int64_t tiles(int64_t n) { return (n + kMmaTile - 1) / kMmaTile; }
+// The most a grid's y may count.
 constexpr int64_t kMaxGridY = 65535;
 
 // exp(z - largest) for a logit z of a set whose maximum is largest: 0 for an
@@ -714,7 +712,7 @@ class AnchorPasses {
     const int64_t batch = q_.size();
     at::Tensor states = at::empty({batch, PairStates<acc_t>::kValues}, accumulation_);
     at::Tensor coefficients = at::empty({batch, RowCoefficients<acc_t>::kValues}, accumulation_);
-    const at::Tensor weight_space = make_weight_space();
+    const at::Tensor weight_space = make_weight_space(largest_strip_);
     if (r_.size() == 0) row_grads.zero_();
     for (const Strip& strip : strips_) {
       const at::Tensor s = strip_similarities(q_, r_, strip, similarity_space());
@@ -748,9 +746,7 @@ class AnchorPasses {
       return {grad_q, grad_r};
     }
     const std::vector<Strip> strips = gradient_strips();
-    const at::Tensor weight_space = tensor_cores_
-        ? at::empty({strips.front().rows * strips.front().cols}, q_.features.options())
-        : make_weight_space();
+    const at::Tensor weight_space = make_weight_space(strips.front().rows * strips.front().cols);
     // Last strip first: a strip writes its own rows before any earlier one
     // adds its mirrored share to them.
     for (auto strip = strips.rbegin(); strip != strips.rend(); ++strip) {
@@ -863,9 +859,10 @@ class AnchorPasses {
     return workspace_;
   }
 
-  // float16/bfloat16 weights feed the tensor cores; wider ones overwrite S.
-  at::Tensor make_weight_space() {
-    return std::is_same_v<scalar_t, acc_t> ? similarity_space() : at::empty({largest_strip_}, q_.features.options());
+  // W for strips of up to `entries`: float16/bfloat16 weights feed the
+  // tensor cores; wider ones overwrite S, whose strips are the same.
+  at::Tensor make_weight_space(int64_t entries) {
+    return std::is_same_v<scalar_t, acc_t> ? similarity_space() : at::empty({entries}, q_.features.options());
   }
 
   // tile_weights_kernel over a strip, as launch_weights without S.

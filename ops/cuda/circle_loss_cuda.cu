@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
   __shared__ float scratch[2 * kMmaThreads / 32];
   __shared__ TileLabels labels;
   int64_t ti, tj;
-  tile_position(symmetric, (in.n_rows + kMmaTile - 1) / kMmaTile, (in.n_cols + kMmaTile - 1) / kMmaTile, &ti, &tj);
+  tile_position(symmetric, tiles(in.n_rows), tiles(in.n_cols), &ti, &tj);
   const int64_t row0 = ti * kMmaTile;
   const int64_t col0 = tj * kMmaTile;
   labels.load(in, row0, col0);
@@ -812,12 +812,12 @@ class StripPasses {
   at::Tensor tile_lse_partials() {
     at::Tensor partials;
     if constexpr (kHasMmaTiles<scalar_t>) {
-      const int64_t row_tiles = (rows_.size() + kMmaTile - 1) / kMmaTile;
-      const int64_t col_tiles = (cols_.size() + kMmaTile - 1) / kMmaTile;
-      const int64_t tiles = symmetric_ ? row_tiles * (row_tiles + 1) / 2 : row_tiles * col_tiles;
-      partials = at::empty({tiles, 4}, rows_.features.options().dtype(at::kFloat));
-      if (tiles > 0) {
-        tile_lse_kernel<scalar_t><<<static_cast<unsigned>(tiles), kMmaThreads, kMmaSharedBytes,
+      const int64_t row_tiles = tiles(rows_.size());
+      const int64_t col_tiles = tiles(cols_.size());
+      const int64_t tile_count = symmetric_ ? row_tiles * (row_tiles + 1) / 2 : row_tiles * col_tiles;
+      partials = at::empty({tile_count, 4}, rows_.features.options().dtype(at::kFloat));
+      if (tile_count > 0) {
+        tile_lse_kernel<scalar_t><<<static_cast<unsigned>(tile_count), kMmaThreads, kMmaSharedBytes,
                                     c10::cuda::getCurrentCUDAStream()>>>(
             TileOperands<scalar_t>{rows_.features.data_ptr<scalar_t>(), rows_.labels.data_ptr<int64_t>(), rows_.size(),
                                    cols_.features.data_ptr<scalar_t>(), cols_.labels.data_ptr<int64_t>(), cols_.size(),
@@ -835,8 +835,7 @@ class StripPasses {
     if constexpr (kHasMmaTiles<scalar_t>) {
       // x over the strip's rows of tiles, the fastest: the CTAs resident at
       // once share their columns' operand tiles through L2.
-      const dim3 grid(static_cast<unsigned>((strip.rows + kMmaTile - 1) / kMmaTile),
-                      static_cast<unsigned>((strip.cols + kMmaTile - 1) / kMmaTile));
+      const dim3 grid(static_cast<unsigned>(tiles(strip.rows)), static_cast<unsigned>(tiles(strip.cols)));
       tile_weights_kernel<scalar_t, GlobalWeightRule>
           <<<grid, kMmaThreads, kMmaSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
               TileOperands<scalar_t>{rows_.features.data_ptr<scalar_t>() + strip.row0 * rows_.dim(), row_labels(strip),

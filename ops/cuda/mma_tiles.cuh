@@ -51,6 +51,9 @@ constexpr int kMmaSharedBytes = kMmaStages * 2 * kStageElements * 2 + kStageAlig
 static_assert((kMmaTile / kWarpRows) * (kMmaTile / kWarpCols) * 32 == kMmaThreads, "8 warps, 2 × 4");
 static_assert(kMmaThreads / 128 * 64 == kMmaTile, "two warpgroups of 64 rows");
 
+// Tiles along n rows or columns.
+__host__ __device__ constexpr int64_t tiles(int64_t n) { return (n + kMmaTile - 1) / kMmaTile; }
+
 // The tensor cores take these two dtypes, and rows of a multiple of 8
 // features (whole 16-byte chunks), 16-byte aligned.
 template <typename T>
