@@ -168,6 +168,26 @@ def test_several_strips_with_tf32(classes, monkeypatch):
         assert torch.equal(torch.ops.circle.loss(features, labels, 0.25, 32.0), loss)
 
 
+# float16/bfloat16 gradients hold only W, in strips of at least 2048 rows:
+# where the whole width leaves fewer (B > 16 384), a strip is cut into chunks
+# of 16 384 columns. B = 20 000: ten strips, the first two in two chunks;
+# the symmetric product mirrors each chunk's part right of the diagonal
+# block, and the block ops (rows 4096 of the batch against all of it, two
+# strips of two chunks) add a strip's chunks without a mirror.
+@pytest.mark.parametrize("dtype", [FLOAT16, BFLOAT16])
+def test_column_chunks_match_reference(dtype):
+    batch = 20_000
+    features, labels = make_inputs(batch, 24, 60, "cuda", dtype)
+    x = features.clone().requires_grad_()
+    loss, grad = loss_and_grad(x, labels)
+    assert_matches_reference(loss, grad, features, labels)
+    rows = 4096
+    scalars = torch.ops.circle._lse_finish(
+        torch.ops.circle._lse_partials(features, labels, features, labels, 0.25, 256.0)[None])
+    block_grad = torch.ops.circle._block_grad(features[:rows], labels[:rows], features, labels, scalars, 0.25, 256.0)
+    assert relative_error(block_grad, grad[:rows]) <= TOLERANCE[dtype][1]
+
+
 def test_block_ops_over_several_strips():
     features, labels = make_inputs(4500, 24, 60, "cuda")
     loss, grad = torch.ops.circle._loss_with_grad(features, labels, 0.25, 256.0)
@@ -256,7 +276,10 @@ def test_several_strips_edge_cases(layout, dtype):
 # first row on, the mirrored pairs reduced by column); against M = 140 000
 # references a strip holds 128 of the 300 rows. The float16/bfloat16 forward
 # keeps only its tensor-core tiles' partial states, in strips of at most
-# 64 Mi entries of S: B = 9000 takes two, 1000 rows against M = 140 000 three.
+# 64 Mi entries of S: B = 9000 takes two, 1000 rows against M = 140 000 three;
+# their backward holds W in strips cut into column chunks where they would
+# be shorter than 2048 rows: B = 20 000 takes ten strips, the first two in
+# two chunks, 1000 rows against M = 140 000 one strip of five.
 def anchor_loss_and_grads(features, labels, ref=None, ref_labels=None):
     losses = torch.ops.circle.anchor_loss(features, labels, ref, ref_labels)
     weights = torch.linspace(0.5, 1.5, losses.numel(), device=losses.device, dtype=losses.dtype)
@@ -268,6 +291,7 @@ SEVERAL_STRIPS = [  # (B, M or None, whether only float16/bfloat16 need the case
     pytest.param(4500, None, False, marks=pytest.mark.sanitize, id="self"),
     pytest.param(300, 140_000, False, marks=pytest.mark.sanitize, id="reference"),
     pytest.param(9000, None, True, id="self, tile strips"),
+    pytest.param(20_000, None, True, id="self, column chunks"),
     pytest.param(1000, 140_000, True, id="reference, tile strips"),
 ]
 

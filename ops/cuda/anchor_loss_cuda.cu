@@ -105,13 +105,13 @@ __device__ __forceinline__ void add_pair(
 constexpr int kLoadsInFlight = 4;
 
 // The column of the strip (from 0) that holds row r's pair in no set, or -1.
-// self: the strip's columns start at its first row, so column r is the pair
-// (i, i); with a reference set, left_out (the strip's rows, or null) gives
-// each row's left-out column of the whole set, col0 the strip's first one.
+// With a reference set, left_out (the strip's rows, or null) gives each row's
+// left-out column of the whole set, and col0 is the strip's first column in
+// it. self: the pair (i, i), and col0 counts from the strip's first row
+// (first_column).
 __device__ __forceinline__ int64_t left_out_column(bool self, const int64_t* left_out, int64_t r, int64_t col0, int64_t cols) {
-  if (self) return r;
-  if (left_out == nullptr) return -1;
-  const int64_t c = left_out[r] - col0;
+  if (!self && left_out == nullptr) return -1;
+  const int64_t c = (self ? r : left_out[r]) - col0;
   return c >= 0 && c < cols ? c : -1;
 }
 
@@ -134,7 +134,7 @@ template <typename acc_t>
 __global__ void __launch_bounds__(kThreads) row_states_kernel(
     const acc_t* __restrict__ s, // (rows, cols)
     int64_t cols,
-    int64_t col0,
+    int64_t col0, // the strip's first column, as left_out_column counts it
     const int64_t* __restrict__ row_labels, // (rows,)
     const int64_t* __restrict__ col_labels, // (cols,)
     bool self,
@@ -336,7 +336,7 @@ struct AnchorWeightRule {
   const float* col_coefficients; // (n_cols, 3): the strip's columns without a reference set, else null
   int64_t n_rows;
   int64_t n_cols;
-  int64_t first_col; // the strip's, in the reference set (features without one)
+  int64_t first_col; // the strip's, as left_out_column counts it
   const int64_t* left_out; // (n_rows,): with a reference set, each row's left-out column of it; or null
 
   struct Shared {
@@ -506,7 +506,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
     const TileOperands<T> in,
     bool self,
     const int64_t* __restrict__ left_out, // (n_rows,): with a reference set, each row's left-out column of it; or null
-    int64_t strip_col0, // the strip's first column, in its set: where left_out's columns start
+    int64_t strip_col0, // the strip's first column, as left_out_column counts it
     PairLogit<float> logit,
     float* __restrict__ row_partials, // (n_rows, col_tiles, 4)
     float* __restrict__ col_partials) { // (n_cols, row_tiles, 4): self only
@@ -747,9 +747,13 @@ class AnchorPasses {
     }
     const std::vector<Strip> strips = gradient_strips();
     const at::Tensor weight_space = make_weight_space(strips.front().rows * strips.front().cols);
+    const auto write = [](bool accumulate, const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+      accumulate ? matmul_add(out, a, b) : matmul_into(out, a, b);
+    };
     // Last strip first: a strip writes its own rows before any earlier one
-    // adds its mirrored share to them.
-    for (auto strip = strips.rbegin(); strip != strips.rend(); ++strip) {
+    // adds its mirrored share to them; with a reference set the last strip's
+    // chunks write dR, the earlier ones add to it.
+    for (auto strip = strips.crbegin(); strip != strips.crend(); ++strip) {
       const acc_t* coefficient = coefficients.data_ptr<acc_t>();
       constexpr int kValues = RowCoefficients<acc_t>::kValues;
       const acc_t* row_coefficients = coefficient + kValues * strip->row0;
@@ -759,17 +763,13 @@ class AnchorPasses {
           : launch_weights(*strip, strip_similarities(q_, r_, *strip, similarity_space()), weight_space,
                            row_coefficients, col_coefficients);
       const at::Tensor own_rows = q_.features.narrow(0, strip->row0, strip->rows);
-      matmul_into(grad_q.narrow(0, strip->row0, strip->rows), weights, r_.features.narrow(0, strip->col0, strip->cols));
-      if (self_) {
-        const int64_t beyond = strip->cols - strip->rows;
-        if (beyond > 0) {
-          matmul_add(grad_q.narrow(0, strip->row0 + strip->rows, beyond), weights.narrow(1, strip->rows, beyond).t(),
-                     own_rows);
-        }
-      } else if (ref_grad && strip == strips.rbegin()) {
-        matmul_into(grad_r, weights.t(), own_rows);
-      } else if (ref_grad) {
-        matmul_add(grad_r, weights.t(), own_rows);
+      write(!last_chunk_of_rows(strips, strip), grad_q.narrow(0, strip->row0, strip->rows), weights,
+            r_.features.narrow(0, strip->col0, strip->cols));
+      if (self_ && strip->mirrored() > 0) {
+        matmul_add(grad_q.narrow(0, strip->first_mirrored(), strip->mirrored()),
+                   weights.narrow(1, strip->first_mirrored() - strip->col0, strip->mirrored()).t(), own_rows);
+      } else if (!self_ && ref_grad) {
+        write(strip->row0 != strips.back().row0, grad_r.narrow(0, strip->col0, strip->cols), weights.t(), own_rows);
       }
     }
     return {grad_q, grad_r};
@@ -784,7 +784,7 @@ class AnchorPasses {
     const auto stream = c10::cuda::getCurrentCUDAStream();
     const bool first_visit = !self_ || strip.row0 == 0;
     row_states_kernel<acc_t><<<static_cast<unsigned>(strip.rows), kThreads, 0, stream>>>(
-        s.data_ptr<acc_t>(), strip.cols, strip.col0, row_labels(strip), col_labels(strip), self_, left_out(strip),
+        s.data_ptr<acc_t>(), strip.cols, first_column(strip), row_labels(strip), col_labels(strip), self_, left_out(strip),
         logit_, first_visit, states + PairStates<acc_t>::kValues * strip.row0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int64_t beyond = strip.cols - strip.rows; // columns right of the diagonal block
@@ -825,7 +825,7 @@ class AnchorPasses {
         if (strip.cols > 0) {
           const dim3 grid(static_cast<unsigned>(tiles(strip.rows)), static_cast<unsigned>(tiles(strip.cols)));
           tile_states_kernel<scalar_t><<<grid, kMmaThreads, kMmaSharedBytes, stream>>>(
-              tile_operands(strip), self_, left_out(strip), strip.col0, logit_, row_partials.data_ptr<float>(),
+              tile_operands(strip), self_, left_out(strip), first_column(strip), logit_, row_partials.data_ptr<float>(),
               col_partials.data_ptr<float>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
@@ -847,10 +847,11 @@ class AnchorPasses {
 
   // The backward's strips. On the tensor cores a strip holds only W, in the
   // features' dtype, so the budget takes twice the rows of float32 S: half
-  // as many launches, and taller products for cuBLAS.
+  // as many launches, and taller products for cuBLAS; and strips too wide
+  // for kTallStrip rows are cut into chunks of columns.
   std::vector<Strip> gradient_strips() const {
     if (!tensor_cores_) return strips_;
-    return plan_strips(q_.size(), r_.size(), self_, sizeof(scalar_t), max_strip_height(q_.size(), self_));
+    return plan_column_chunks(q_.size(), r_.size(), self_, sizeof(scalar_t), max_strip_height(q_.size(), self_));
   }
 
   // The workspace of S's strips in acc_t, (largest strip,), made on first use.
@@ -879,7 +880,7 @@ class AnchorPasses {
       tile_weights_kernel<scalar_t, AnchorWeightRule>
           <<<grid, kMmaThreads, kMmaSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
               tile_operands(strip),
-              AnchorWeightRule{logit_, row_coefficients, col_coefficients, strip.rows, strip.cols, strip.col0,
+              AnchorWeightRule{logit_, row_coefficients, col_coefficients, strip.rows, strip.cols, first_column(strip),
                                left_out(strip)},
               weights.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -905,6 +906,10 @@ class AnchorPasses {
 
   const int64_t* row_labels(const Strip& strip) const { return q_.labels.data_ptr<int64_t>() + strip.row0; }
   const int64_t* col_labels(const Strip& strip) const { return r_.labels.data_ptr<int64_t>() + strip.col0; }
+  // The strip's first column as left_out_column counts it: in the reference
+  // set, or without one from the strip's first row.
+  int64_t first_column(const Strip& strip) const { return self_ ? strip.col0 - strip.row0 : strip.col0; }
+
   const int64_t* left_out(const Strip& strip) const {
     return left_out_.defined() ? left_out_.data_ptr<int64_t>() + strip.row0 : nullptr;
   }

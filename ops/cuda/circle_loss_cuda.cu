@@ -35,7 +35,9 @@
 //                         above the diagonal, partials as strip_lse_kernel's.
 //   tile_weights_kernel   (mma_tiles.cuh, with GlobalWeightRule) the gradient
 //                         pass's W, strip by strip, straight from the tiles;
-//                         cuBLAS then multiplies W by F as above.
+//                         cuBLAS then multiplies W by F as above. W alone
+//                         leaves strips room for more rows, and wide ones
+//                         are cut into chunks of columns (plan_column_chunks).
 //
 // No atomics: every reduction runs in a fixed order, cuBLAS is reproducible on
 // a given GPU, so results are bitwise the same from run to run. Nothing waits
@@ -676,7 +678,8 @@ class StripPasses {
         logit_{static_cast<acc_t>(margin), static_cast<acc_t>(gamma)},
         tensor_cores_(use_tensor_cores(rows, cols)),
         // With the tensor cores only the weights, in scalar_t, are held.
-        strips_(plan_strips(rows.size(), cols.size(), symmetric, tensor_cores_ ? sizeof(scalar_t) : sizeof(acc_t))),
+        strips_(tensor_cores_ ? plan_column_chunks(rows.size(), cols.size(), symmetric, sizeof(scalar_t))
+                              : plan_strips(rows.size(), cols.size(), symmetric, sizeof(acc_t))),
         sms_(multiprocessors()) {
     const int64_t largest = strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols;
     workspace_ = at::empty({largest}, rows.features.options().dtype(tensor_cores_ ? dtype_of<scalar_t>() : dtype_of<acc_t>()));
@@ -707,8 +710,9 @@ class StripPasses {
   at::Tensor gradient(const at::Tensor& scalars) {
     at::Tensor grad = at::empty({rows_.size(), rows_.features.size(1)}, rows_.features.options().dtype(dtype_of<acc_t>()));
     if (tensor_cores_) {
-      for (auto strip = strips_.rbegin(); strip != strips_.rend(); ++strip) {
-        add_strip_gradient(grad, launch_tile_weights(*strip, scalars.data_ptr<double>()), *strip, false, true);
+      for (auto strip = strips_.crbegin(); strip != strips_.crend(); ++strip) {
+        add_strip_gradient(grad, launch_tile_weights(*strip, scalars.data_ptr<double>()), *strip,
+                           /*accumulate_own=*/!last_chunk_of_rows(strips_, strip), /*accumulate_below=*/true);
       }
       return grad;
     }
@@ -891,8 +895,8 @@ class StripPasses {
   }
 
   // grad[strip's rows] = (accumulate_own: +=) weights·cols[strip's columns];
-  // symmetric: grad[rows right of the diagonal block] = (accumulate_below: +=)
-  // their weightsᵀ·rows[strip's rows].
+  // symmetric: grad[the strip's columns right of its diagonal block] =
+  // (accumulate_below: +=) their weightsᵀ·rows[strip's rows].
   void add_strip_gradient(
       at::Tensor& grad,
       const at::Tensor& weights,
@@ -903,12 +907,11 @@ class StripPasses {
       accumulate ? matmul_add(out, a, b) : matmul_into(out, a, b);
     };
     write(accumulate_own, grad.narrow(0, strip.row0, strip.rows), weights, cols_.features.narrow(0, strip.col0, strip.cols));
-    const int64_t beyond = strip.cols - strip.rows; // columns right of the diagonal block
-    if (symmetric_ && beyond > 0) {
+    if (symmetric_ && strip.mirrored() > 0) {
       write(
           accumulate_below,
-          grad.narrow(0, strip.row0 + strip.rows, beyond),
-          weights.narrow(1, strip.rows, beyond).t(),
+          grad.narrow(0, strip.first_mirrored(), strip.mirrored()),
+          weights.narrow(1, strip.first_mirrored() - strip.col0, strip.mirrored()).t(),
           rows_.features.narrow(0, strip.row0, strip.rows));
     }
   }

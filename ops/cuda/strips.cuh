@@ -10,6 +10,7 @@
 #include <ATen/ops/mm.h>
 
 #include <algorithm>
+#include <iterator>
 #include <limits>
 #include <vector>
 
@@ -29,6 +30,12 @@ constexpr int64_t kColsPerCta = kThreads * kColsPerThread;
 // One strip of S: rows [row0, row0 + rows) × columns [col0, col0 + cols).
 struct Strip {
   int64_t row0, rows, col0, cols;
+
+  // In a symmetric product: the first of the strip's columns right of its
+  // diagonal block, whose rows take the strip's mirrored share Wᵀ·rows, and
+  // how many there are.
+  int64_t first_mirrored() const { return std::max(col0, row0 + rows); }
+  int64_t mirrored() const { return std::max<int64_t>(col0 + cols - first_mirrored(), 0); }
 };
 
 // The strips covering rows × cols. Symmetric (rows and cols one tensor): each
@@ -52,6 +59,47 @@ inline std::vector<Strip> plan_strips(
     strips.push_back({row0, std::min(height, n_rows - row0), col0, n_cols - col0});
   }
   return strips;
+}
+
+// The gradient passes' strips when they hold only W in float16/bfloat16.
+// Each strip's mirrored product Wᵀ·rows reads and writes the float32
+// gradient rows of all its columns, B²·D·4/h bytes over the strips of
+// height h: below about kTallStrip rows that traffic, not the arithmetic,
+// bounds the product on an H200. So where the budget leaves a strip of the
+// whole width fewer rows, strips of kTallStrip rows are cut into chunks of
+// columns of the same budget, left to right; chunks of one strip are
+// consecutive, and in a symmetric product the first starts at the strip's
+// first row and holds its diagonal block. Otherwise as plan_strips.
+constexpr int64_t kTallStrip = 2048;
+
+inline std::vector<Strip> plan_column_chunks(
+    int64_t n_rows,
+    int64_t n_cols,
+    bool symmetric,
+    size_t element_bytes,
+    int64_t max_height = std::numeric_limits<int64_t>::max()) {
+  std::vector<Strip> strips = plan_strips(n_rows, n_cols, symmetric, element_bytes, max_height);
+  const int64_t height = std::min({kTallStrip, max_height, n_rows});
+  if (strips.empty() || strips.front().rows >= height) {
+    return strips;
+  }
+  const int64_t budget = kStripBytes / static_cast<int64_t>(element_bytes);
+  const int64_t width = std::max(height, budget / height / kStripAlign * kStripAlign);
+  std::vector<Strip> chunks;
+  for (int64_t row0 = 0; row0 < n_rows; row0 += height) {
+    const int64_t rows = std::min(height, n_rows - row0);
+    for (int64_t col0 = symmetric ? row0 : 0; col0 < n_cols; col0 += width) {
+      chunks.push_back({row0, rows, col0, std::min(width, n_cols - col0)});
+    }
+  }
+  return chunks;
+}
+
+// Whether `strip`, met walking `plan` back from its end, is the last chunk of
+// its rows: the first that reaches them, so the one that writes their
+// gradient rather than adding to it.
+inline bool last_chunk_of_rows(const std::vector<Strip>& plan, std::vector<Strip>::const_reverse_iterator strip) {
+  return strip == plan.rbegin() || std::prev(strip)->row0 != strip->row0;
 }
 
 // Grid of the elementwise kernels over a strip: x over column chunks, y over
