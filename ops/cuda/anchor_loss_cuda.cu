@@ -16,8 +16,8 @@
 // without a reference set, from the one entry s_ij), and cuBLAS multiplies:
 // dQ = W R and, where the references need a gradient, dR = Wᵀ Q (without a
 // reference set both go to Q, as in the global op's gradient pass).
-// float16/bfloat16 rows of whole 16-byte chunks form S on the tensor cores
-// (mma_tiles.cuh) and never write it:
+// float16/bfloat16 rows of whole 16-byte chunks (and float32 ones where TF32
+// is allowed) form S on the tensor cores (mma_tiles.cuh) and never write it:
 //   tile_states_kernel        the forward: each tile's row states and, without
 //                             a reference set, above the diagonal its column
 //                             states, written as partials;
@@ -492,7 +492,7 @@ __device__ __forceinline__ void tile_row_states(
 
 // Row and column partial states of one kMmaTile² tile of a strip's
 // rows · colsᵀ, formed on the tensor cores and reduced in place, S never in
-// memory: the forward of float16/bfloat16 batches. Every tile gives its rows'
+// memory: the forward on the tensor cores. Every tile gives its rows'
 // states over its columns, row_partials[row][tj]. Without a reference set
 // (cols is the strip's rows onwards) only the tiles on and above the strip's
 // diagonal are formed, and those above it also give their columns' states
@@ -677,7 +677,8 @@ class AnchorPasses {
         accumulation_(q.features.options().dtype(dtype_of<acc_t>())),
         largest_strip_(strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols) {
     if constexpr (kHasMmaTiles<scalar_t>) {
-      tensor_cores_ = mma_tiles_apply<tile_weights_kernel<scalar_t, AnchorWeightRule>>(q.features) &&
+      tensor_cores_ = mma_tiles_allowed<scalar_t>() &&
+          mma_tiles_apply<tile_weights_kernel<scalar_t, AnchorWeightRule>>(q.features) &&
           mma_tiles_apply<tile_weights_kernel<scalar_t, AnchorWeightRule>>(r.features) &&
           mma_tiles_apply<tile_states_kernel<scalar_t>>(q.features) &&
           mma_tiles_apply<tile_states_kernel<scalar_t>>(r.features) && tiles(r.size()) <= kMaxGridY;
@@ -712,7 +713,7 @@ class AnchorPasses {
     const int64_t batch = q_.size();
     at::Tensor states = at::empty({batch, PairStates<acc_t>::kValues}, accumulation_);
     at::Tensor coefficients = at::empty({batch, RowCoefficients<acc_t>::kValues}, accumulation_);
-    const at::Tensor weight_space = make_weight_space(largest_strip_);
+    const at::Tensor weight_space = make_weight_space(largest_strip_, /*over_similarities=*/true);
     if (r_.size() == 0) row_grads.zero_();
     for (const Strip& strip : strips_) {
       const at::Tensor s = strip_similarities(q_, r_, strip, similarity_space());
@@ -746,7 +747,8 @@ class AnchorPasses {
       return {grad_q, grad_r};
     }
     const std::vector<Strip> strips = gradient_strips();
-    const at::Tensor weight_space = make_weight_space(strips.front().rows * strips.front().cols);
+    const at::Tensor weight_space =
+        make_weight_space(strips.front().rows * strips.front().cols, /*over_similarities=*/!tensor_cores_);
     const auto write = [](bool accumulate, const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
       accumulate ? matmul_add(out, a, b) : matmul_into(out, a, b);
     };
@@ -860,10 +862,11 @@ class AnchorPasses {
     return workspace_;
   }
 
-  // W for strips of up to `entries`: float16/bfloat16 weights feed the
-  // tensor cores; wider ones overwrite S, whose strips are the same.
-  at::Tensor make_weight_space(int64_t entries) {
-    return std::is_same_v<scalar_t, acc_t> ? similarity_space() : at::empty({entries}, q_.features.options());
+  // W for strips of up to `entries`, in the features' dtype. over_similarities:
+  // S's strips are in memory, and W of float32/float64 overwrites them.
+  at::Tensor make_weight_space(int64_t entries, bool over_similarities) {
+    return std::is_same_v<scalar_t, acc_t> && over_similarities ? similarity_space()
+                                                                : at::empty({entries}, q_.features.options());
   }
 
   // tile_weights_kernel over a strip, as launch_weights without S.

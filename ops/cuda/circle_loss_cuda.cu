@@ -29,8 +29,9 @@
 // cuBLAS may use TF32 for float32, its GEMMs outrun that SIMT kernel, and the
 // two passes of one strip are kept for any number of strips.
 //
-// float16/bfloat16 batches whose rows are whole 16-byte chunks form S on the
-// tensor cores instead (mma_tiles.cuh), in registers, and never write it:
+// float16/bfloat16 batches whose rows are whole 16-byte chunks (and float32
+// ones where TF32 is allowed) form S on the tensor cores instead
+// (mma_tiles.cuh), in registers, and never write it:
 //   tile_lse_kernel       the loss pass in one launch over every tile on and
 //                         above the diagonal, partials as strip_lse_kernel's.
 //   tile_weights_kernel   (mma_tiles.cuh, with GlobalWeightRule) the gradient
@@ -195,7 +196,7 @@ __device__ __forceinline__ void tile_entry_states(
 
 // partials[blockIdx] = (max_P, Σ_P, max_N, Σ_N) of one kMmaTile² tile of
 // rows · colsᵀ, formed on the tensor cores and reduced in registers: the
-// loss pass of float16/bfloat16 batches, with S never in memory. Pairs count
+// loss pass on the tensor cores, with S never in memory. Pairs count
 // as in strip_lse_kernel: in a symmetric product, twice above the diagonal,
 // once on it, not at all below it.
 template <typename T>
@@ -800,10 +801,10 @@ class StripPasses {
   }
 
  private:
-  // float16/bfloat16 features the tensor-core kernels can take (mma_tiles.cuh).
+  // Features the tensor-core kernels can take (mma_tiles.cuh).
   static bool use_tensor_cores(const KernelRows& rows, const KernelRows& cols) {
     if constexpr (kHasMmaTiles<scalar_t>) {
-      return mma_tiles_apply<tile_lse_kernel<scalar_t>>(rows.features) &&
+      return mma_tiles_allowed<scalar_t>() && mma_tiles_apply<tile_lse_kernel<scalar_t>>(rows.features) &&
           mma_tiles_apply<tile_lse_kernel<scalar_t>>(cols.features) &&
           mma_tiles_apply<tile_weights_kernel<scalar_t, GlobalWeightRule>>(rows.features);
     } else {
@@ -927,12 +928,6 @@ class StripPasses {
   bool last_strip_in_workspace_ = false;
 };
 
-// Whether cuBLAS runs float32 GEMMs in TF32 on this thread now: the test
-// ATen makes before each one.
-bool cublas_may_use_tf32() {
-  return at::globalContext().allowTF32CuBLAS() && !at::NoTF32Guard::should_disable_tf32();
-}
-
 // (LSE_P, LSE_N, loss, 2σ(Z)) as a float64 device tensor; writes the loss.
 template <typename scalar_t>
 at::Tensor loss_scalars(StripPasses<scalar_t>& passes, const at::Tensor& features, at::Tensor& loss) {
@@ -968,10 +963,11 @@ std::tuple<at::Tensor, at::Tensor> loss_and_grad_cuda(
       return;
     }
     // float32/float64 over several strips form S once (loss_and_gradient):
-    // that costs less than a second pass. float16/bfloat16 form S on the
-    // tensor cores, where the second pass costs less than the positive band,
-    // and so does float32 where cuBLAS may use TF32 (its GEMMs then run about
-    // six times as fast as in float32, the band kernel not at all faster).
+    // that costs less than a second pass. On the tensor cores the second
+    // pass costs less than the positive band, and so it does for float32
+    // where TF32 is allowed but rows are not whole 16-byte chunks (cuBLAS's
+    // TF32 GEMMs run about six times as fast as float32's, the band kernel
+    // not at all faster).
     const bool tf32 = std::is_same_v<scalar_t, float> && cublas_may_use_tf32();
     const bool one_pass = std::is_same_v<scalar_t, at::opmath_type<scalar_t>> && passes.strip_count() > 1 && !tf32;
     const at::Tensor grad_acc =

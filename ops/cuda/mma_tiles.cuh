@@ -1,25 +1,27 @@
 // Tiles of S = rows · colsᵀ on the tensor cores, for float16 and bfloat16
-// features: S accumulates in float32 registers and is handed to an epilogue
-// in place, so that it never goes to memory. Used by circle_loss_cuda.cu and
-// anchor_loss_cuda.cu for the LSE partials and the gradient weights of
-// half-precision batches.
+// features, and float32 ones where the user allows TF32: S accumulates in
+// float32 registers and is handed to an epilogue in place, so that it never
+// goes to memory. Used by circle_loss_cuda.cu and anchor_loss_cuda.cu for the
+// LSE partials and the gradient weights.
 //
 // A CTA of kMmaThreads threads owns a kMmaTile × kMmaTile tile of S. The
-// features pass through shared memory kMmaK at a time in kMmaStages stages,
-// copied by cp.async; each 128-byte row of a stage stores its 16-byte chunks
-// in an XOR-swizzled order (chunk ^ row % 8), which is at once the layout
-// Hopper's warpgroup MMA reads as its 128-byte swizzle and one in which the
-// 8 rows an ldmatrix phase reads fall in distinct banks. The products:
+// features pass through shared memory 128 bytes of a row at a time (kMmaK<T>
+// features) in kMmaStages stages, copied by cp.async; each 128-byte row of a
+// stage stores its 16-byte chunks in an XOR-swizzled order (chunk ^ row % 8),
+// which is at once the layout Hopper's warpgroup MMA reads as its 128-byte
+// swizzle and one in which the 8 rows an ldmatrix phase reads fall in
+// distinct banks. The products, 32 bytes of K an instruction:
 //   sm_90a (the code built for Hopper): wgmma, each of the two warpgroups
 //     64 rows × all 128 columns, both operands read from the stages;
-//   sm_80 on otherwise: mma.sync m16n8k16, the 8 warps 2 (rows) × 4
-//     (columns) of kWarpRows × kWarpCols, operands by ldmatrix.
+//   sm_80 on otherwise: mma.sync m16n8k16 (m16n8k8 in TF32), the 8 warps 2
+//     (rows) × 4 (columns) of kWarpRows × kWarpCols, operands by ldmatrix.
 // Either way a thread holds 16 m16n8 accumulator fragments in the same
 // register layout, so the epilogues are written once.
 #pragma once
 
 #include "common.cuh"
 
+#include <ATen/Context.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -34,35 +36,53 @@ namespace circle_loss {
 namespace {
 
 constexpr int kMmaTile = 128; // rows and columns of a CTA's tile of S
-constexpr int kMmaK = 64; // features per stage: 128 bytes of a row
+constexpr int kStageRowBytes = 128; // of each row's features a stage holds: the swizzle's width
+template <typename T>
+constexpr int kMmaK = kStageRowBytes / sizeof(T); // features per stage
+constexpr int kStepBytes = 32; // of K one product instruction takes: k16 in 16 bits, k8 in TF32
 constexpr int kMmaStages = 3;
 constexpr int kMmaThreads = 256;
 constexpr int kWarpRows = 64;
 constexpr int kWarpCols = 32;
 constexpr int kMmaRowTiles = kWarpRows / 16; // m16 tiles a warp
 constexpr int kMmaColTiles = kWarpCols / 8; // n8 tiles a warp
-constexpr int kChunksPerRow = kMmaK * 2 / 16; // 16-byte chunks of a stage row
-constexpr int kStageElements = kMmaTile * kMmaK; // one operand of one stage
+constexpr int kChunksPerRow = kStageRowBytes / 16; // 16-byte chunks of a stage row
+constexpr int kStageBytes = kMmaTile * kStageRowBytes; // one operand of one stage
 // wgmma's swizzle is a function of the shared address, so the stages start on
 // a boundary of its 8-row atom (1024 bytes); the dynamic shared memory has
 // room to round up to one.
 constexpr int kStageAlignment = 1024;
-constexpr int kMmaSharedBytes = kMmaStages * 2 * kStageElements * 2 + kStageAlignment;
+constexpr int kMmaSharedBytes = kMmaStages * 2 * kStageBytes + kStageAlignment;
 static_assert((kMmaTile / kWarpRows) * (kMmaTile / kWarpCols) * 32 == kMmaThreads, "8 warps, 2 × 4");
 static_assert(kMmaThreads / 128 * 64 == kMmaTile, "two warpgroups of 64 rows");
 
 // Tiles along n rows or columns.
 __host__ __device__ constexpr int64_t tiles(int64_t n) { return (n + kMmaTile - 1) / kMmaTile; }
 
-// The tensor cores take these two dtypes, and rows of a multiple of 8
-// features (whole 16-byte chunks), 16-byte aligned.
+// The tensor cores take these dtypes (float32 as TF32), and rows of whole
+// 16-byte chunks, 16-byte aligned.
 template <typename T>
-constexpr bool kHasMmaTiles = std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>;
+constexpr bool kHasMmaTiles =
+    std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>;
+
+// Whether cuBLAS runs float32 GEMMs in TF32 on this thread now: the test
+// ATen makes before each one.
+inline bool cublas_may_use_tf32() {
+  return at::globalContext().allowTF32CuBLAS() && !at::NoTF32Guard::should_disable_tf32();
+}
+
+// Whether T's products may go to the tensor cores now: float32's only where
+// the user lets matmuls use TF32 as above, since gamma amplifies TF32's
+// rounding of S (the default, "highest", keeps float32's accuracy).
+template <typename T>
+inline bool mma_tiles_allowed() {
+  return kHasMmaTiles<T> && (!std::is_same_v<T, float> || cublas_may_use_tf32());
+}
 
 // The tensor-core epilogues issue more instructions than their tiles' main
 // loops, so each entry's steps are single instructions where one will do:
-// exp from the special-function unit (ex2, a few ulp: float16/bfloat16
-// inputs resolve far less) with log2(e) folded into one multiply-add, and
+// exp from the special-function unit (ex2, a few ulp: float16/bfloat16 and
+// TF32 inputs resolve far less) with log2(e) folded into one multiply-add, and
 // the NaN-propagating max of sm_80 on.
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -173,11 +193,11 @@ __device__ __forceinline__ T* stage_memory(unsigned char* dynamic_shared) {
 
 // Byte offset of 16-byte chunk `chunk` of row `row` within a stage operand.
 __device__ __forceinline__ int swizzled_offset(int row, int chunk) {
-  return row * kMmaK * 2 + ((chunk ^ (row % kChunksPerRow)) * 16);
+  return row * kStageRowBytes + ((chunk ^ (row % kChunksPerRow)) * 16);
 }
 
 // One thread's share of filling a stage operand with features[first, first
-// + kMmaTile) × [k0, k0 + kMmaK): kCopies 16-byte chunks, all in the same
+// + kMmaTile) × [k0, k0 + kMmaK<T>): kCopies 16-byte chunks, all in the same
 // column of chunks and kRowStep rows apart, so that what a stage's copies
 // need beyond k0 (their offsets, which rows exist, where they land) is worked
 // out once a tile rather than at every stage.
@@ -200,7 +220,7 @@ struct StageCopies {
       : features(features_), dim(dim_) {
     const int row = threadIdx.x / kChunksPerRow;
     const int chunk = threadIdx.x % kChunksPerRow;
-    feature = chunk * 8;
+    feature = chunk * kVec<T>;
     offset = (first + row) * dim + feature;
     row_step = kRowStep * dim;
     inside_rows = 0;
@@ -209,20 +229,21 @@ struct StageCopies {
     target = swizzled_offset(row, chunk);
   }
 
-  // Issues the copies of features [k0, k0 + kMmaK) into `stage`, swizzled;
+  // Issues the copies of features [k0, k0 + kMmaK<T>) into `stage`, swizzled;
   // zeros past the rows' and the features' ends.
   __device__ __forceinline__ void issue(T* stage, int64_t k0) const {
     const bool inside_features = k0 + feature < dim;
 #pragma unroll
     for (int u = 0; u < kCopies; ++u) {
       const bool inside = inside_features && (inside_rows >> u & 1u) != 0u;
-      copy_16(reinterpret_cast<char*>(stage) + target + u * kRowStep * kMmaK * 2,
+      copy_16(reinterpret_cast<char*>(stage) + target + u * kRowStep * kStageRowBytes,
               features + (inside ? offset + u * row_step + k0 : 0), inside);
     }
   }
 };
 
-// Four 8×8 matrices of 16-bit values from shared memory, one register each.
+// Four matrices of 8 rows × 16 bytes (8 × 8 16-bit values, or 8 × 4 32-bit
+// ones) from shared memory, one register each.
 __device__ __forceinline__ void load_matrices(uint32_t (&out)[4], uint32_t address) {
 #if __CUDA_ARCH__ >= 800
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -231,12 +252,22 @@ __device__ __forceinline__ void load_matrices(uint32_t (&out)[4], uint32_t addre
 #endif
 }
 
-// acc += a · b for one m16n8k16 tile: a (16 × 16) row-major, b (16 × 8)
-// column-major, i.e. both with the features contiguous.
+// acc += a · b for one m16n8 tile over kStepBytes of K (m16n8k16, or
+// m16n8k8 in TF32): a (16 × K) row-major, b (K × 8) column-major, i.e. both
+// with the features contiguous. Either way a[0..3] are the 8 × 16-byte
+// quarters rows 0-7 and 8-15 at the first 16 bytes, then the same at the
+// next 16, and b0, b1 the columns at the first and the next 16 bytes: what
+// ldmatrix gives.
 template <typename T>
-__device__ __forceinline__ void mma_16x8x16(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void mma_16x8_step(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 #if __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (std::is_same_v<T, float>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};\n"
@@ -262,31 +293,35 @@ __device__ __forceinline__ uint64_t stage_descriptor(uint32_t address) {
       (static_cast<uint64_t>(kStageAlignment >> 4) << 32) | (uint64_t{1} << 62);
 }
 
-// d += a · bᵀ for the warpgroup: a 64 × 16 and b 128 × 16, both K-major in
-// shared memory, d (64 × 128) in its 16 fragments. Asynchronous: the result
-// is there after warpgroup_commit_and_wait.
+// d += a · bᵀ for the warpgroup over kStepBytes of K (16 features, 8 in
+// TF32): a 64 rows and b 128, both K-major in shared memory, d (64 × 128) in
+// its 16 fragments. Asynchronous: the result is there after warpgroup_wait.
 template <typename T>
-__device__ __forceinline__ void warpgroup_mma_64x128x16(float (&d)[16][4], uint64_t a, uint64_t b) {
+__device__ __forceinline__ void warpgroup_mma_step(float (&d)[16][4], uint64_t a, uint64_t b) {
 #if defined(CIRCLE_LOSS_WARPGROUP_MMA)
 #define FRAGMENT(f) "+f"(d[f][0]), "+f"(d[f][1]), "+f"(d[f][2]), "+f"(d[f][3])
-#define WGMMA(types)                                                                                        \
+#define WGMMA(shape_and_types, operand_modes)                                                               \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." types " "                                      \
+               "wgmma.mma_async.sync.aligned." shape_and_types " "                                           \
                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
                "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
                "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
                "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "            \
-               "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                               \
+               "%64, %65, p, " operand_modes ";\n}\n"                                                        \
                : FRAGMENT(0), FRAGMENT(1), FRAGMENT(2), FRAGMENT(3), FRAGMENT(4), FRAGMENT(5), FRAGMENT(6),    \
                  FRAGMENT(7), FRAGMENT(8), FRAGMENT(9), FRAGMENT(10), FRAGMENT(11), FRAGMENT(12), FRAGMENT(13), \
                  FRAGMENT(14), FRAGMENT(15)                                                                   \
                : "l"(a), "l"(b), "r"(1))
   // Operands: d, the two descriptors, scale-d (1: accumulate), then a and b
-  // unscaled and untransposed (both K-major).
+  // unscaled and, for 16-bit types, untransposed (both K-major; TF32 takes
+  // no transpose).
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    WGMMA("bf16.bf16");
+    WGMMA("m64n128k16.f32.bf16.bf16", "1, 1, 0, 0");
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    WGMMA("m64n128k16.f32.f16.f16", "1, 1, 0, 0");
   } else {
-    WGMMA("f16.f16");
+    static_assert(std::is_same_v<T, float>, "float16, bfloat16 or float32 as TF32");
+    WGMMA("m64n128k8.f32.tf32.tf32", "1, 1");
   }
 #undef WGMMA
 #undef FRAGMENT
@@ -323,29 +358,17 @@ __device__ __forceinline__ void fence_copies_for_mma() {
 #endif
 }
 
-// One stage's kMmaK features of the products, 16 at a time. With wgmma they
-// are only issued, as one group: warpgroup_wait says when they are done.
+// multiply_stage with mma.sync.
 template <typename T>
-__device__ __forceinline__ void multiply_stage(TileAccumulators& tile, const T* row_stage, const T* col_stage) {
-#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
-  // The warpgroup's 64 rows are 8 whole swizzle atoms of the row stage; a
-  // step of 16 features is 32 bytes into each 128-byte row.
-  const uint32_t rows = shared_address(row_stage) + threadIdx.x / 128 * 64 * kMmaK * sizeof(T);
-  const uint32_t cols = shared_address(col_stage);
-  warpgroup_fence();
-#pragma unroll
-  for (int kk = 0; kk < kMmaK / 16; ++kk) {
-    warpgroup_mma_64x128x16<T>(tile.acc, stage_descriptor(rows + kk * 32), stage_descriptor(cols + kk * 32));
-  }
-  warpgroup_commit();
-#else
+__device__ __forceinline__ void multiply_stage_by_mma_sync(TileAccumulators& tile, const T* row_stage, const T* col_stage) {
+#if !defined(CIRCLE_LOSS_WARPGROUP_MMA)
   const int lane = threadIdx.x % 32;
   const int warp_row = threadIdx.x / 32 / (kMmaTile / kWarpCols) * kWarpRows;
   const int warp_col = threadIdx.x / 32 % (kMmaTile / kWarpCols) * kWarpCols;
   const uint32_t rows = shared_address(row_stage);
   const uint32_t cols = shared_address(col_stage);
 #pragma unroll
-  for (int kk = 0; kk < kMmaK / 16; ++kk) {
+  for (int kk = 0; kk < kStageRowBytes / kStepBytes; ++kk) {
     // A: lanes 0-15 give rows 0-15 at the step's first 8 features, lanes
     // 16-31 the same rows at the next 8: the four 8×8 matrices are a0..a3.
     uint32_t a[kMmaRowTiles][4];
@@ -371,10 +394,31 @@ __device__ __forceinline__ void multiply_stage(TileAccumulators& tile, const T* 
     for (int mi = 0; mi < kMmaRowTiles; ++mi) {
 #pragma unroll
       for (int ni = 0; ni < kMmaColTiles; ++ni) {
-        mma_16x8x16<T>(tile.acc[mi * kMmaColTiles + ni], a[mi], b[ni][0], b[ni][1]);
+        mma_16x8_step<T>(tile.acc[mi * kMmaColTiles + ni], a[mi], b[ni][0], b[ni][1]);
       }
     }
   }
+#endif
+}
+
+// One stage's kMmaK<T> features of the products, kStepBytes at a time. With
+// wgmma they are only issued, as one group: warpgroup_wait says when they
+// are done.
+template <typename T>
+__device__ __forceinline__ void multiply_stage(TileAccumulators& tile, const T* row_stage, const T* col_stage) {
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
+  // The warpgroup's 64 rows are 8 whole swizzle atoms of the row stage; a
+  // step is kStepBytes into each 128-byte row.
+  const uint32_t rows = shared_address(row_stage) + threadIdx.x / 128 * 64 * kStageRowBytes;
+  const uint32_t cols = shared_address(col_stage);
+  warpgroup_fence();
+#pragma unroll
+  for (int kk = 0; kk < kStageRowBytes / kStepBytes; ++kk) {
+    warpgroup_mma_step<T>(tile.acc, stage_descriptor(rows + kk * kStepBytes), stage_descriptor(cols + kk * kStepBytes));
+  }
+  warpgroup_commit();
+#else
+  multiply_stage_by_mma_sync(tile, row_stage, col_stage);
 #endif
 }
 
@@ -388,16 +432,17 @@ __device__ __forceinline__ void multiply_tile(
     int64_t col0,
     T* shared) {
   tile.for_each([](float& s, int, int, int) { s = 0.0f; });
+  constexpr int kStageElements = kStageBytes / sizeof(T);
   const auto row_stage = [&](int s) { return shared + s * 2 * kStageElements; };
   const auto col_stage = [&](int s) { return shared + s * 2 * kStageElements + kStageElements; };
   const StageCopies<T> row_copies(in.rows, in.n_rows, in.dim, row0);
   const StageCopies<T> col_copies(in.cols, in.n_cols, in.dim, col0);
-  const int64_t steps = (in.dim + kMmaK - 1) / kMmaK;
+  const int64_t steps = (in.dim + kMmaK<T> - 1) / kMmaK<T>;
 #pragma unroll
   for (int s = 0; s < kMmaStages - 1; ++s) {
     if (s < steps) {
-      row_copies.issue(row_stage(s), s * kMmaK);
-      col_copies.issue(col_stage(s), s * kMmaK);
+      row_copies.issue(row_stage(s), s * kMmaK<T>);
+      col_copies.issue(col_stage(s), s * kMmaK<T>);
     }
     commit_copies(); // empty groups keep the count that wait_copies relies on
   }
@@ -419,8 +464,8 @@ __device__ __forceinline__ void multiply_tile(
 #endif
     const int64_t next = step + kMmaStages - 1;
     if (next < steps) {
-      row_copies.issue(row_stage(refill), next * kMmaK);
-      col_copies.issue(col_stage(refill), next * kMmaK);
+      row_copies.issue(row_stage(refill), next * kMmaK<T>);
+      col_copies.issue(col_stage(refill), next * kMmaK<T>);
     }
     commit_copies();
 #if !defined(CIRCLE_LOSS_WARPGROUP_MMA)
@@ -456,8 +501,7 @@ struct TileLabels {
 };
 
 // weights = W over a strip rows × colsᵀ, one kMmaTile² tile a CTA, S formed
-// on the tensor cores: the gradient passes' W of float16/bfloat16 batches,
-// S never in memory. W's entries come from a Rule, which gives
+// on the tensor cores: the gradient passes' W, S never in memory. W's entries come from a Rule, which gives
 //   Shared                         what the tile's entries share (its rows'
 //                                  coefficients, the loss's scalars), held
 //                                  in shared memory;
@@ -518,7 +562,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
 // kernel's dynamic shared memory on the way, which it needs beyond 48 KiB.
 template <auto kernel>
 inline bool mma_tiles_apply(const at::Tensor& features) {
-  if (features.size(1) % 8 != 0 || reinterpret_cast<uintptr_t>(features.data_ptr()) % 16 != 0) {
+  if (features.size(1) * features.element_size() % 16 != 0 || reinterpret_cast<uintptr_t>(features.data_ptr()) % 16 != 0) {
     return false;
   }
   return configure_once<kernel>([] {

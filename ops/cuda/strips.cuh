@@ -61,15 +61,18 @@ inline std::vector<Strip> plan_strips(
   return strips;
 }
 
-// The gradient passes' strips when they hold only W in float16/bfloat16.
+// The gradient passes' strips when they hold only W (the tensor-core paths).
 // Each strip's mirrored product Wᵀ·rows reads and writes the float32
-// gradient rows of all its columns, B²·D·4/h bytes over the strips of
-// height h: below about kTallStrip rows that traffic, not the arithmetic,
-// bounds the product on an H200. So where the budget leaves a strip of the
-// whole width fewer rows, strips of kTallStrip rows are cut into chunks of
-// columns of the same budget, left to right; chunks of one strip are
+// gradient rows of all its columns, B²·D·4/h bytes over the strips of height
+// h, and on an H200 below about kShortStrip rows that traffic rather than
+// the arithmetic bounds the product. So where the budget leaves a strip of
+// the whole width fewer rows, strips of kTallStrip rows are cut into chunks
+// of columns of the same budget, left to right; chunks of one strip are
 // consecutive, and in a symmetric product the first starts at the strip's
-// first row and holds its diagonal block. Otherwise as plan_strips.
+// first row and holds its diagonal block. Taller strips cost W's entries
+// below their diagonals, B·h/2 in all, so the chunks stop at kTallStrip.
+// Otherwise as plan_strips.
+constexpr int64_t kShortStrip = 1024;
 constexpr int64_t kTallStrip = 2048;
 
 inline std::vector<Strip> plan_column_chunks(
@@ -80,7 +83,7 @@ inline std::vector<Strip> plan_column_chunks(
     int64_t max_height = std::numeric_limits<int64_t>::max()) {
   std::vector<Strip> strips = plan_strips(n_rows, n_cols, symmetric, element_bytes, max_height);
   const int64_t height = std::min({kTallStrip, max_height, n_rows});
-  if (strips.empty() || strips.front().rows >= height) {
+  if (strips.empty() || strips.front().rows >= std::min(kShortStrip, height)) {
     return strips;
   }
   const int64_t budget = kStripBytes / static_cast<int64_t>(element_bytes);
