@@ -503,7 +503,7 @@ __device__ __forceinline__ void tile_row_states(
 // the rows, one more for the columns.
 template <typename T>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
-    const TileOperands<T> in,
+    const __grid_constant__ TileOperands<T> in,
     bool self,
     const int64_t* __restrict__ left_out, // (n_rows,): with a reference set, each row's left-out column of it; or null
     int64_t strip_col0, // the strip's first column, as left_out_column counts it
@@ -518,17 +518,19 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
   __shared__ TilePairs pairs;
   const int64_t row0 = ti * kMmaTile;
   const int64_t col0 = tj * kMmaTile;
-  labels.load(in, row0, col0);
-  if (threadIdx.x < kMmaTile) {
-    const int64_t r = row0 + threadIdx.x;
-    pairs.skipped[threadIdx.x] = r < in.n_rows ? tile_left_out_column(self, left_out, r, strip_col0, in.n_cols, col0) : -1;
-  }
-  if (threadIdx.x == 0) {
-    pairs.valid_rows = static_cast<int>(std::min<int64_t>(in.n_rows - row0, kMmaTile));
-    pairs.valid_cols = static_cast<int>(std::min<int64_t>(in.n_cols - col0, kMmaTile));
-  }
   TileAccumulators tile;
-  multiply_tile(tile, in, row0, col0, stage_memory<T>(stages));
+  multiply_tile(tile, in, row0, col0, stage_memory<T>(stages), [&] {
+    labels.load(in, row0, col0);
+    if (threadIdx.x < kMmaTile) {
+      const int64_t r = row0 + threadIdx.x;
+      pairs.skipped[threadIdx.x] =
+          r < in.n_rows ? tile_left_out_column(self, left_out, r, strip_col0, in.n_cols, col0) : -1;
+    }
+    if (threadIdx.x == 0) {
+      pairs.valid_rows = static_cast<int>(std::min<int64_t>(in.n_rows - row0, kMmaTile));
+      pairs.valid_cols = static_cast<int>(std::min<int64_t>(in.n_cols - col0, kMmaTile));
+    }
+  });
   __syncthreads(); // the labels and pairs, and every warp is done with the stages
   TileStatesScratch& scratch = *stage_memory<TileStatesScratch>(stages);
   const bool every_entry = pairs.valid_rows == kMmaTile && pairs.valid_cols == kMmaTile && !(self && ti == tj) &&
@@ -843,8 +845,8 @@ class AnchorPasses {
   // The strip's two sides as the tensor-core kernels take them.
   TileOperands<scalar_t> tile_operands(const Strip& strip) const {
     const int64_t dim = q_.dim();
-    return {q_.features.data_ptr<scalar_t>() + strip.row0 * dim, row_labels(strip), strip.rows,
-            r_.features.data_ptr<scalar_t>() + strip.col0 * dim, col_labels(strip), strip.cols, dim};
+    return make_tile_operands(q_.features.data_ptr<scalar_t>() + strip.row0 * dim, row_labels(strip), strip.rows,
+                              r_.features.data_ptr<scalar_t>() + strip.col0 * dim, col_labels(strip), strip.cols, dim);
   }
 
   // The backward's strips. On the tensor cores a strip holds only W, in the

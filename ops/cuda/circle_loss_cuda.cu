@@ -170,28 +170,40 @@ __device__ __forceinline__ void tile_entry_states(
   // in registers through both loops.
   uint32_t positives[TileAccumulators::kEntries / 32] = {};
   const auto is_positive = [&](int k) { return (positives[k / 32] & 1u << k % 32) != 0u; };
+  // Plain floats, each entry picking one by a select: a reference to one
+  // set's state or the other's would keep both in local memory.
+  float positive_max = positive.max;
+  float negative_max = negative.max;
   tile.for_each([&](float& s, int r, int c, int k) {
     const bool in_positive = labels.positive(r, c);
     positives[k / 32] |= static_cast<uint32_t>(in_positive) << k % 32;
     float slope;
     s = logit(s, in_positive, &slope); // the entry now holds its logit
     if (weight_of(r, c) == 0.0f) return;
-    float& largest = in_positive ? positive.max : negative.max;
-    largest = fast_nan_max(largest, s);
+    if (in_positive) {
+      positive_max = fast_nan_max(positive_max, s);
+    } else {
+      negative_max = fast_nan_max(negative_max, s);
+    }
   });
-  const float positive_offset = -positive.max * kLog2e;
-  const float negative_offset = -negative.max * kLog2e;
+  const float positive_offset = -positive_max * kLog2e;
+  const float negative_offset = -negative_max * kLog2e;
+  float positive_sum = positive.sum;
+  float negative_sum = negative.sum;
   tile.for_each([&](float z, int r, int c, int k) {
     const float weight = weight_of(r, c);
     if (weight == 0.0f) return;
     const bool in_positive = is_positive(k);
-    const float largest = in_positive ? positive.max : negative.max;
+    const float largest = in_positive ? positive_max : negative_max;
     // z == largest: exactly 1, also where both are infinite.
     const float term = z == largest
         ? weight
         : weight * fast_exp2(fmaf(z, kLog2e, in_positive ? positive_offset : negative_offset));
-    (in_positive ? positive.sum : negative.sum) += term;
+    positive_sum += in_positive ? term : 0.0f;
+    negative_sum += in_positive ? 0.0f : term;
   });
+  positive = {positive_max, positive_sum};
+  negative = {negative_max, negative_sum};
 }
 
 // partials[blockIdx] = (max_P, Σ_P, max_N, Σ_N) of one kMmaTile² tile of
@@ -201,7 +213,7 @@ __device__ __forceinline__ void tile_entry_states(
 // once on it, not at all below it.
 template <typename T>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
-    const TileOperands<T> in,
+    const __grid_constant__ TileOperands<T> in,
     bool symmetric, // rows is cols: only the tiles on and above the diagonal
     PairLogit<float> logit,
     float* __restrict__ partials) { // (tiles, 4)
@@ -212,9 +224,8 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
   tile_position(symmetric, tiles(in.n_rows), tiles(in.n_cols), &ti, &tj);
   const int64_t row0 = ti * kMmaTile;
   const int64_t col0 = tj * kMmaTile;
-  labels.load(in, row0, col0);
   TileAccumulators tile;
-  multiply_tile(tile, in, row0, col0, stage_memory<T>(stages));
+  multiply_tile(tile, in, row0, col0, stage_memory<T>(stages), [&] { labels.load(in, row0, col0); });
   __syncthreads(); // the labels, also where dim gives the main loop no step
   const int valid_rows = static_cast<int>(in.n_rows - row0 < kMmaTile ? in.n_rows - row0 : kMmaTile);
   const int valid_cols = static_cast<int>(in.n_cols - col0 < kMmaTile ? in.n_cols - col0 : kMmaTile);
@@ -824,9 +835,9 @@ class StripPasses {
       if (tile_count > 0) {
         tile_lse_kernel<scalar_t><<<static_cast<unsigned>(tile_count), kMmaThreads, kMmaSharedBytes,
                                     c10::cuda::getCurrentCUDAStream()>>>(
-            TileOperands<scalar_t>{rows_.features.data_ptr<scalar_t>(), rows_.labels.data_ptr<int64_t>(), rows_.size(),
-                                   cols_.features.data_ptr<scalar_t>(), cols_.labels.data_ptr<int64_t>(), cols_.size(),
-                                   rows_.dim()},
+            make_tile_operands(rows_.features.data_ptr<scalar_t>(), rows_.labels.data_ptr<int64_t>(), rows_.size(),
+                               cols_.features.data_ptr<scalar_t>(), cols_.labels.data_ptr<int64_t>(), cols_.size(),
+                               rows_.dim()),
             symmetric_, logit_, partials.data_ptr<float>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
@@ -843,9 +854,9 @@ class StripPasses {
       const dim3 grid(static_cast<unsigned>(tiles(strip.rows)), static_cast<unsigned>(tiles(strip.cols)));
       tile_weights_kernel<scalar_t, GlobalWeightRule>
           <<<grid, kMmaThreads, kMmaSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
-              TileOperands<scalar_t>{rows_.features.data_ptr<scalar_t>() + strip.row0 * rows_.dim(), row_labels(strip),
-                                     strip.rows, cols_.features.data_ptr<scalar_t>() + strip.col0 * cols_.dim(),
-                                     col_labels(strip), strip.cols, rows_.dim()},
+              make_tile_operands(rows_.features.data_ptr<scalar_t>() + strip.row0 * rows_.dim(), row_labels(strip),
+                                 strip.rows, cols_.features.data_ptr<scalar_t>() + strip.col0 * cols_.dim(),
+                                 col_labels(strip), strip.cols, rows_.dim()),
               GlobalWeightRule{logit_, scalars}, weights.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }

@@ -327,6 +327,13 @@ __device__ __forceinline__ void wait_for_prerequisites() {
 #endif
 }
 
+// The current GPU's compute capability, major part.
+inline int compute_capability_major() {
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c10::cuda::current_device()));
+  return major;
+}
+
 // Launches `kernel` on the current stream as a programmatic dependent of the
 // stream's previous kernel (sm_90 on): it may start before that one has
 // finished, and calls wait_for_prerequisites() before reading its output.
@@ -340,10 +347,8 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, size_t shared_bytes,
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = shared_bytes;
   config.stream = c10::cuda::getCurrentCUDAStream();
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c10::cuda::current_device()));
   config.attrs = &attribute;
-  config.numAttrs = major >= 9 ? 1 : 0;
+  config.numAttrs = compute_capability_major() >= 9 ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 

@@ -6,15 +6,18 @@
 //
 // A CTA of kMmaThreads threads owns a kMmaTile × kMmaTile tile of S. The
 // features pass through shared memory 128 bytes of a row at a time (kMmaK<T>
-// features) in kMmaStages stages, copied by cp.async; each 128-byte row of a
-// stage stores its 16-byte chunks in an XOR-swizzled order (chunk ^ row % 8),
-// which is at once the layout Hopper's warpgroup MMA reads as its 128-byte
-// swizzle and one in which the 8 rows an ldmatrix phase reads fall in
-// distinct banks. The products, 32 bytes of K an instruction:
-//   sm_90a (the code built for Hopper): wgmma, each of the two warpgroups
-//     64 rows × all 128 columns, both operands read from the stages;
-//   sm_80 on otherwise: mma.sync m16n8k16 (m16n8k8 in TF32), the 8 warps 2
-//     (rows) × 4 (columns) of kWarpRows × kWarpCols, operands by ldmatrix.
+// features) in kMmaStages stages; each 128-byte row of a stage stores its
+// 16-byte chunks in an XOR-swizzled order (chunk ^ row % 8), which is at once
+// the layout Hopper's warpgroup MMA reads as its 128-byte swizzle and one in
+// which the 8 rows an ldmatrix phase reads fall in distinct banks. The
+// copies and products, 32 bytes of K a product instruction:
+//   sm_90a (the code built for Hopper): one thread fills the stages by bulk
+//     tensor copies (TMA), which swizzle as they land and signal a barrier
+//     in shared memory; wgmma, each of the two warpgroups 64 rows × all 128
+//     columns, both operands read from the stages;
+//   sm_80 on otherwise: every thread's cp.async copies; mma.sync m16n8k16
+//     (m16n8k8 in TF32), the 8 warps 2 (rows) × 4 (columns) of kWarpRows ×
+//     kWarpCols, operands by ldmatrix.
 // Either way a thread holds 16 m16n8 accumulator fragments in the same
 // register layout, so the epilogues are written once.
 #pragma once
@@ -24,6 +27,8 @@
 #include <ATen/Context.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include <type_traits>
 
@@ -105,7 +110,8 @@ __device__ __forceinline__ float fast_nan_max(float a, float b) {
 }
 
 // The two sides of a product rows · colsᵀ and their labels, as the
-// tensor-core kernels take them.
+// tensor-core kernels take them (as __grid_constant__ parameters, which the
+// bulk copies require of their tensor maps). Made by make_tile_operands.
 template <typename T>
 struct TileOperands {
   const T* rows; // (n_rows, dim)
@@ -115,7 +121,66 @@ struct TileOperands {
   const int64_t* col_labels; // (n_cols,)
   int64_t n_cols;
   int64_t dim;
+  // The bulk copies' view of each side, on GPUs that have them: boxes of
+  // kMmaTile rows × kStageRowBytes, as one stage operand takes them.
+  CUtensorMap row_boxes;
+  CUtensorMap col_boxes;
 };
+
+// The driver's cuTensorMapEncodeTiled, through the runtime, so that the
+// library needs no link to the driver library.
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion(
+        "cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &found));
+    TORCH_CHECK(found == cudaDriverEntryPointSuccess && function != nullptr,
+                "circle_loss: the CUDA driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
+  }();
+  return encode;
+}
+
+// features (n, dim) as boxes of kMmaTile rows × kStageRowBytes, swizzled
+// as the stages store them, zeros past the rows' and the features' ends.
+template <typename T>
+CUtensorMap stage_boxes(const T* features, int64_t n, int64_t dim) {
+  CUtensorMap boxes = {};
+  const cuuint64_t extent[2] = {static_cast<cuuint64_t>(dim), static_cast<cuuint64_t>(n)};
+  const cuuint64_t row_bytes[1] = {static_cast<cuuint64_t>(dim) * sizeof(T)};
+  const cuuint32_t box[2] = {kMmaK<T>, kMmaTile};
+  const cuuint32_t unit_strides[2] = {1, 1};
+  // The copies move bits: float32 goes to the tensor cores as it is (TF32
+  // reads its upper 19 bits), as with cp.async.
+  const CUtensorMapDataType type = sizeof(T) == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16 : CU_TENSOR_MAP_DATA_TYPE_UINT32;
+  const CUresult result = tensor_map_encoder()(
+      &boxes, type, 2, const_cast<T*>(features), extent, row_bytes, box, unit_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(result == CUDA_SUCCESS, "circle_loss: cuTensorMapEncodeTiled failed with CUresult ", static_cast<int>(result),
+              " for features of ", n, " × ", dim);
+  return boxes;
+}
+
+// The operands of rows · colsᵀ, with the bulk copies' tensor maps on GPUs
+// of compute capability 9.0 and later (the sm_90a code reads them; others
+// leave them unused).
+template <typename T>
+TileOperands<T> make_tile_operands(
+    const T* rows,
+    const int64_t* row_labels,
+    int64_t n_rows,
+    const T* cols,
+    const int64_t* col_labels,
+    int64_t n_cols,
+    int64_t dim) {
+  TileOperands<T> in{rows, row_labels, n_rows, cols, col_labels, n_cols, dim, {}, {}};
+  if (compute_capability_major() >= 9 && n_rows > 0 && n_cols > 0 && dim > 0) {
+    in.row_boxes = stage_boxes(rows, n_rows, dim);
+    in.col_boxes = stage_boxes(cols, n_cols, dim);
+  }
+  return in;
+}
 
 // One thread's share of a CTA's tile: acc[f][e] is S at (row_of(f, e),
 // col_of(f, e)) relative to the tile's first row and column; each fragment f
@@ -350,11 +415,60 @@ __device__ __forceinline__ void warpgroup_wait() {
 #endif
 }
 
-// Makes this thread's cp.async writes to shared memory visible to the
-// tensor cores' reads (another memory proxy), ahead of the barrier.
-__device__ __forceinline__ void fence_copies_for_mma() {
+// The barriers in shared memory (mbarrier) that the bulk copies signal,
+// sm_90a's: each counts arrivals, and bytes where a copy is expected, and
+// completes a phase when both are in; waits name the phase by its parity.
+__device__ __forceinline__ void init_barrier(uint64_t* barrier, uint32_t arrivals) {
 #if defined(CIRCLE_LOSS_WARPGROUP_MMA)
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(barrier)), "r"(arrivals) : "memory");
+#endif
+}
+
+// Makes the barriers' initialisation visible to the copies (another memory
+// proxy); a CTA barrier then makes it visible to the other threads.
+__device__ __forceinline__ void fence_barrier_init() {
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void arrive(uint64_t* barrier) {
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(shared_address(barrier)) : "memory");
+#endif
+}
+
+// Arrives, and adds `bytes` to what the phase waits for.
+__device__ __forceinline__ void arrive_expecting(uint64_t* barrier, uint32_t bytes) {
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)), "r"(bytes)
+               : "memory");
+#endif
+}
+
+// Waits until the phase of this parity has completed.
+__device__ __forceinline__ void wait_barrier(uint64_t* barrier, uint32_t parity) {
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
+  uint32_t done = 0;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(shared_address(barrier)), "r"(parity)
+                 : "memory");
+  } while (done == 0);
+#endif
+}
+
+// A bulk tensor copy of the box at (feature, row) of `boxes` into `stage`,
+// counted in bytes by `barrier`.
+__device__ __forceinline__ void copy_box(void* stage, const CUtensorMap& boxes, int64_t feature, int64_t row, uint64_t* barrier) {
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          shared_address(stage)),
+      "l"(reinterpret_cast<uint64_t>(&boxes)), "r"(static_cast<int32_t>(feature)), "r"(static_cast<int32_t>(row)),
+      "r"(shared_address(barrier))
+      : "memory");
 #endif
 }
 
@@ -422,60 +536,130 @@ __device__ __forceinline__ void multiply_stage(TileAccumulators& tile, const T* 
 #endif
 }
 
-// The main loop: the tile rows[row0, +kMmaTile) · cols[col0, +kMmaTile)ᵀ
-// over all dim features. shared: from stage_memory.
+// The stages' addresses in `shared` (from stage_memory): each stage the
+// row operand, then the column operand.
 template <typename T>
+struct Stages {
+  static constexpr int kElements = kStageBytes / sizeof(T);
+  T* shared;
+  __device__ __forceinline__ T* rows(int s) const { return shared + s * 2 * kElements; }
+  __device__ __forceinline__ T* cols(int s) const { return shared + s * 2 * kElements + kElements; }
+};
+
+__device__ __forceinline__ int following_stage(int s) { return s + 1 == kMmaStages ? 0 : s + 1; }
+
+// multiply_tile on sm_90a. Thread 0 issues the copies: the stages start
+// full, and a stage is refilled once both warpgroups' products of it are
+// done (its `emptied` barrier), so no thread waits on another's copies and
+// the CTA meets at no barrier in the loop.
+template <typename T, typename Meanwhile>
+__device__ __forceinline__ void multiply_tile_by_bulk_copies(
+    TileAccumulators& tile,
+    const TileOperands<T>& in,
+    int64_t row0,
+    int64_t col0,
+    const Stages<T>& stages,
+    int64_t steps,
+    Meanwhile meanwhile) {
+  constexpr int kWarpgroups = kMmaThreads / 128;
+  __shared__ uint64_t filled[kMmaStages]; // a phase a fill: the stage has landed
+  __shared__ uint64_t emptied[kMmaStages]; // a phase a fill: both warpgroups are done with it
+  const auto fill = [&](int s, int64_t step) {
+    arrive_expecting(&filled[s], 2 * kStageBytes);
+    copy_box(stages.rows(s), in.row_boxes, step * kMmaK<T>, row0, &filled[s]);
+    copy_box(stages.cols(s), in.col_boxes, step * kMmaK<T>, col0, &filled[s]);
+  };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kMmaStages; ++s) {
+      init_barrier(&filled[s], 1);
+      init_barrier(&emptied[s], kWarpgroups);
+    }
+    fence_barrier_init();
+    for (int s = 0; s < kMmaStages && s < steps; ++s) fill(s, s);
+  }
+  meanwhile();
+  __syncthreads(); // the barriers are initialised
+  int read = 0; // step % kMmaStages
+  uint32_t parity = 0; // of the stage's fill: step / kMmaStages % 2
+  for (int64_t step = 0; step < steps; ++step) {
+    wait_barrier(&filled[read], parity);
+    multiply_stage<T>(tile, stages.rows(read), stages.cols(read));
+    warpgroup_wait<1>(); // the previous step's products are done
+    if (step > 0) {
+      const int done = read == 0 ? kMmaStages - 1 : read - 1;
+      const uint32_t done_parity = read == 0 ? parity ^ 1u : parity;
+      if (threadIdx.x % 128 == 0) arrive(&emptied[done]);
+      const int64_t next = step - 1 + kMmaStages;
+      if (threadIdx.x == 0 && next < steps) {
+        wait_barrier(&emptied[done], done_parity);
+        fill(done, next);
+      }
+      __syncwarp(); // warp 0 together again for the warpgroup's next wgmma
+    }
+    read = following_stage(read);
+    parity ^= read == 0 ? 1u : 0u;
+  }
+  warpgroup_wait<0>();
+}
+
+// multiply_tile with every thread's cp.async copies, kMmaStages - 1 stages
+// ahead, and mma.sync.
+template <typename T, typename Meanwhile>
+__device__ __forceinline__ void multiply_tile_by_copies(
+    TileAccumulators& tile,
+    const TileOperands<T>& in,
+    int64_t row0,
+    int64_t col0,
+    const Stages<T>& stages,
+    int64_t steps,
+    Meanwhile meanwhile) {
+  const StageCopies<T> row_copies(in.rows, in.n_rows, in.dim, row0);
+  const StageCopies<T> col_copies(in.cols, in.n_cols, in.dim, col0);
+#pragma unroll
+  for (int s = 0; s < kMmaStages - 1; ++s) {
+    if (s < steps) {
+      row_copies.issue(stages.rows(s), s * kMmaK<T>);
+      col_copies.issue(stages.cols(s), s * kMmaK<T>);
+    }
+    commit_copies(); // empty groups keep the count that wait_copies relies on
+  }
+  meanwhile();
+  int read = 0; // step % kMmaStages
+  int refill = kMmaStages - 1; // (step + kMmaStages - 1) % kMmaStages
+  for (int64_t step = 0; step < steps; ++step) {
+    wait_copies<kMmaStages - 2>(); // this step's stage has landed
+    __syncthreads(); // ... for every thread, and the stage refilled below is no longer read
+    const int64_t next = step + kMmaStages - 1;
+    if (next < steps) {
+      row_copies.issue(stages.rows(refill), next * kMmaK<T>);
+      col_copies.issue(stages.cols(refill), next * kMmaK<T>);
+    }
+    commit_copies();
+    multiply_stage<T>(tile, stages.rows(read), stages.cols(read));
+    read = following_stage(read);
+    refill = following_stage(refill);
+  }
+  wait_copies<0>();
+}
+
+// The main loop: the tile rows[row0, +kMmaTile) · cols[col0, +kMmaTile)ᵀ
+// over all dim features; meanwhile() runs while the first stages load (the
+// CTA's other loads, such as its labels). shared: from stage_memory.
+template <typename T, typename Meanwhile>
 __device__ __forceinline__ void multiply_tile(
     TileAccumulators& tile,
     const TileOperands<T>& in,
     int64_t row0,
     int64_t col0,
-    T* shared) {
+    T* shared,
+    Meanwhile meanwhile) {
   tile.for_each([](float& s, int, int, int) { s = 0.0f; });
-  constexpr int kStageElements = kStageBytes / sizeof(T);
-  const auto row_stage = [&](int s) { return shared + s * 2 * kStageElements; };
-  const auto col_stage = [&](int s) { return shared + s * 2 * kStageElements + kStageElements; };
-  const StageCopies<T> row_copies(in.rows, in.n_rows, in.dim, row0);
-  const StageCopies<T> col_copies(in.cols, in.n_cols, in.dim, col0);
   const int64_t steps = (in.dim + kMmaK<T> - 1) / kMmaK<T>;
-#pragma unroll
-  for (int s = 0; s < kMmaStages - 1; ++s) {
-    if (s < steps) {
-      row_copies.issue(row_stage(s), s * kMmaK<T>);
-      col_copies.issue(col_stage(s), s * kMmaK<T>);
-    }
-    commit_copies(); // empty groups keep the count that wait_copies relies on
-  }
-  const auto following = [](int s) { return s + 1 == kMmaStages ? 0 : s + 1; };
-  int read = 0; // step % kMmaStages
-  int refill = kMmaStages - 1; // (step + kMmaStages - 1) % kMmaStages
-  for (int64_t step = 0; step < steps; ++step) {
-    wait_copies<kMmaStages - 2>(); // this step's stage has landed
-    fence_copies_for_mma();
 #if defined(CIRCLE_LOSS_WARPGROUP_MMA)
-    // The stage's products run while the stage the previous step read is
-    // refilled, once every warpgroup's products of it are done.
-    __syncthreads(); // ... for every thread
-    multiply_stage<T>(tile, row_stage(read), col_stage(read));
-    warpgroup_wait<1>();
-    __syncthreads();
+  multiply_tile_by_bulk_copies(tile, in, row0, col0, Stages<T>{shared}, steps, meanwhile);
 #else
-    __syncthreads(); // ... for every thread, and the stage refilled below is no longer read
+  multiply_tile_by_copies(tile, in, row0, col0, Stages<T>{shared}, steps, meanwhile);
 #endif
-    const int64_t next = step + kMmaStages - 1;
-    if (next < steps) {
-      row_copies.issue(row_stage(refill), next * kMmaK<T>);
-      col_copies.issue(col_stage(refill), next * kMmaK<T>);
-    }
-    commit_copies();
-#if !defined(CIRCLE_LOSS_WARPGROUP_MMA)
-    multiply_stage<T>(tile, row_stage(read), col_stage(read));
-#endif
-    read = following(read);
-    refill = following(refill);
-  }
-  warpgroup_wait<0>();
-  wait_copies<0>();
 }
 
 // The labels of a tile's rows and columns in shared memory (0 past the
@@ -513,7 +697,7 @@ struct TileLabels {
 // 16 bytes.
 template <typename T, typename Rule>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
-    const TileOperands<T> in,
+    const __grid_constant__ TileOperands<T> in,
     const Rule rule,
     T* __restrict__ weights) { // (R, C)
   extern __shared__ __align__(128) unsigned char stages[];
@@ -525,10 +709,11 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
   const int64_t col0 = blockIdx.y * static_cast<int64_t>(kMmaTile);
   __shared__ TileLabels labels;
   __shared__ typename Rule::Shared shared_rule;
-  labels.load(in, row0, col0);
-  rule.load(shared_rule, row0, col0);
   TileAccumulators tile;
-  multiply_tile(tile, in, row0, col0, stage_memory<T>(stages));
+  multiply_tile(tile, in, row0, col0, stage_memory<T>(stages), [&] {
+    labels.load(in, row0, col0);
+    rule.load(shared_rule, row0, col0);
+  });
   __syncthreads(); // the labels and the rule's values, also where dim gives the main loop no step
   // W in registers first, then to shared memory: with no store between them
   // the compiler reads each row's labels and values from shared memory once.
