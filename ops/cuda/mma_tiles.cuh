@@ -668,7 +668,8 @@ __device__ __forceinline__ void multiply_tile(
 }
 
 // The labels of a tile's rows and columns in shared memory (0 past the
-// end, where no entry is visited), loaded by the CTA before its main loop.
+// end, where no entry is visited), loaded by the CTA while its first stages
+// land.
 struct TileLabels {
   int64_t row[kMmaTile];
   int64_t col[kMmaTile];
