@@ -791,12 +791,12 @@ class AnchorPasses {
         s.data_ptr<acc_t>(), strip.cols, first_column(strip), row_labels(strip), col_labels(strip), self_, left_out(strip),
         logit_, first_visit, states + PairStates<acc_t>::kValues * strip.row0);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const int64_t beyond = strip.cols - strip.rows; // columns right of the diagonal block
+    const int64_t beyond = strip.mirrored(); // columns right of the diagonal block
     if (self_ && beyond > 0) {
       const int64_t blocks = (beyond + kColumnsPerCta - 1) / kColumnsPerCta;
       const int64_t shares = std::clamp<int64_t>(
           std::min((2 * sms_ + blocks - 1) / blocks, strip.rows / kMinShareRows), 1, kMaxColumnShares);
-      acc_t* beyond_states = states + PairStates<acc_t>::kValues * (strip.row0 + strip.rows);
+      acc_t* beyond_states = states + PairStates<acc_t>::kValues * strip.first_mirrored();
       const at::Tensor share_states =
           at::empty({shares > 1 ? shares * beyond : 0, PairStates<acc_t>::kValues}, accumulation_);
       column_states_kernel<acc_t>
