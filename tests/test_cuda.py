@@ -232,14 +232,41 @@ def test_tensor_core_tiles_unaligned_rows(dtype):
 
 
 # The loss pass alone runs no cuBLAS, so racecheck (which cannot run cuBLAS's
-# half-precision GEMMs) sees the tiles' shared memory here.
+# half-precision GEMMs) sees the tiles' shared memory here, with labels that
+# fit in 32 bits and ones that do not (test_tensor_core_tiles_wide_labels).
 @pytest.mark.sanitize
 def test_tensor_core_loss_pass():
     for dtype in (torch.float16, torch.bfloat16):
         features, labels = make_inputs(1027, 72, 5, "cuda", dtype)
-        with torch.no_grad():
-            loss = torch.ops.circle.loss(features, labels)
-        assert_matches_reference(loss, None, features, labels)
+        for wide in (False, True):
+            labels = labels * 2**32 + 7 if wide else labels
+            with torch.no_grad():
+                loss = torch.ops.circle.loss(features, labels)
+            assert_matches_reference(loss, None, features, labels)
+
+
+# The tiles compare labels as 32-bit ids: a label's own value where every
+# label of the tile fits in 32 bits, else its first position in the tile.
+# Labels k·2^32 + 7 share their low words and differ above them; with -1 and
+# 2^31 beside small ones, and with every label fitting, both ways are taken
+# by both ops.
+@pytest.mark.parametrize("labels_kind", ["low words alike", "signs and 2^31", "fitting"])
+@pytest.mark.parametrize("dtype", [BFLOAT16])
+@pytest.mark.sanitize
+def test_tensor_core_tiles_wide_labels(labels_kind, dtype):
+    from test_anchor_loss import assert_anchor_matches_reference
+
+    features, classes = make_inputs(1027, 72, 9, "cuda", dtype)
+    labels = {
+        "low words alike": classes * 2**32 + 7,
+        "signs and 2^31": torch.where(classes % 3 == 0, -1 - classes, classes + (classes % 3 == 1) * 2**31),
+        "fitting": classes - 4,
+    }[labels_kind]
+    assert torch.equal(labels[:, None] == labels, classes[:, None] == classes)  # the same pairs
+    x = features.clone().requires_grad_()
+    loss, grad = loss_and_grad(x, labels)
+    assert_matches_reference(loss, grad, features, labels)
+    assert_anchor_matches_reference(features, labels)
 
 
 def plant_pair(features, first, second, similarity):

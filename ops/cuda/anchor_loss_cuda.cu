@@ -519,8 +519,9 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
   const int64_t row0 = ti * kMmaTile;
   const int64_t col0 = tj * kMmaTile;
   TileAccumulators tile;
+  bool labels_fit;
   multiply_tile(tile, in, row0, col0, stage_memory<T>(stages), [&] {
-    labels.load(in, row0, col0);
+    labels_fit = labels.load(in, row0, col0);
     if (threadIdx.x < kMmaTile) {
       const int64_t r = row0 + threadIdx.x;
       pairs.skipped[threadIdx.x] =
@@ -531,7 +532,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
       pairs.valid_cols = static_cast<int>(std::min<int64_t>(in.n_cols - col0, kMmaTile));
     }
   });
-  __syncthreads(); // the labels and pairs, and every warp is done with the stages
+  labels.settle(labels_fit, in, row0, col0, stages); // the labels and pairs, and every warp is done with the stages
   TileStatesScratch& scratch = *stage_memory<TileStatesScratch>(stages);
   const bool every_entry = pairs.valid_rows == kMmaTile && pairs.valid_cols == kMmaTile && !(self && ti == tj) &&
       left_out == nullptr;
@@ -569,7 +570,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
   static_assert(2 * kMmaTile == kMmaThreads, "a column's two halves");
   const int c = threadIdx.x % kMmaTile;
   const int first = threadIdx.x / kMmaTile * kHalf;
-  const int64_t label = labels.col[c];
+  const int32_t label = labels.col[c];
   const float* logits = scratch.logits + first * TileStatesScratch::kStride + c;
   // Plain floats, each entry picking one by a select, as for the rows: a
   // reference to one set's state or the other's would keep them in local

@@ -143,16 +143,19 @@ __device__ __forceinline__ void tile_position(bool symmetric, int64_t row_tiles,
 }
 
 // The thread's (max, Σ) of both sets over its entries of a tile, which hold
-// S on entry and their logits on exit; each entry's sum term is weighted by
-// its multiplicity relative to an off-diagonal pair (1; 1/2 on a symmetric
-// product's diagonal, 0 below it or past the end). kEveryEntry: a full tile
-// off the diagonal, where every entry has weight 1 and none is tested. The
-// maxima come first, then the sums at them: one exp an entry, no branch.
+// S on entry and their logits in units of 1/log2(e) on exit; each entry's
+// sum term is weighted by its multiplicity relative to an off-diagonal pair
+// (1; 1/2 on a symmetric product's diagonal, 0 below it or past the end).
+// kEveryEntry: a full tile off the diagonal, where every entry has weight 1
+// and none is tested. The maxima come first, then the sums at them: one ex2
+// an entry, no branch. The terms are 2^(u - max u), 1 at the maximum; an
+// infinite maximum, where that would be NaN, gives its set the sum 1
+// instead, the same infinite LSE.
 template <bool kEveryEntry>
 __device__ __forceinline__ void tile_entry_states(
     TileAccumulators& tile,
     const TileLabels& labels,
-    const PairLogit<float>& logit,
+    const TileLogit& logit,
     int valid_rows,
     int valid_cols,
     bool diagonal,
@@ -165,20 +168,16 @@ __device__ __forceinline__ void tile_entry_states(
       return r >= valid_rows || c >= valid_cols ? 0.0f : !diagonal ? 1.0f : c > r ? 1.0f : c == r ? 0.5f : 0.0f;
     }
   };
-  // Which entries are positive pairs, a bit each: the labels' compares are
-  // made once, and the 64-bit labels of the thread's columns need not stay
-  // in registers through both loops.
-  uint32_t positives[TileAccumulators::kEntries / 32] = {};
-  const auto is_positive = [&](int k) { return (positives[k / 32] & 1u << k % 32) != 0u; };
-  // Plain floats, each entry picking one by a select: a reference to one
-  // set's state or the other's would keep both in local memory.
-  float positive_max = positive.max;
-  float negative_max = negative.max;
-  tile.for_each([&](float& s, int r, int c, int k) {
+  // Plain floats, each entry updating one by a predicated instruction: a
+  // reference to one set's state or the other's would keep both in local
+  // memory.
+  constexpr float kInfinity = std::numeric_limits<float>::infinity();
+  float positive_max = -kInfinity;
+  float negative_max = -kInfinity;
+  tile.for_each([&](float& s, int r, int c, int) {
     const bool in_positive = labels.positive(r, c);
-    positives[k / 32] |= static_cast<uint32_t>(in_positive) << k % 32;
-    float slope;
-    s = logit(s, in_positive, &slope); // the entry now holds its logit
+    float twice_alpha;
+    s = logit(s, in_positive, &twice_alpha); // the entry now holds its logit
     if (weight_of(r, c) == 0.0f) return;
     if (in_positive) {
       positive_max = fast_nan_max(positive_max, s);
@@ -186,24 +185,24 @@ __device__ __forceinline__ void tile_entry_states(
       negative_max = fast_nan_max(negative_max, s);
     }
   });
-  const float positive_offset = -positive_max * kLog2e;
-  const float negative_offset = -negative_max * kLog2e;
-  float positive_sum = positive.sum;
-  float negative_sum = negative.sum;
-  tile.for_each([&](float z, int r, int c, int k) {
+  float positive_sum = 0.0f;
+  float negative_sum = 0.0f;
+  int2 column_ids;
+  tile.for_each([&](float u, int r, int c, int k) {
+    if (k % 4 == 0) column_ids = labels.column_pair_anew(c); // the fragment's columns c and c + 1
     const float weight = weight_of(r, c);
     if (weight == 0.0f) return;
-    const bool in_positive = is_positive(k);
-    const float largest = in_positive ? positive_max : negative_max;
-    // z == largest: exactly 1, also where both are infinite.
-    const float term = z == largest
-        ? weight
-        : weight * fast_exp2(fmaf(z, kLog2e, in_positive ? positive_offset : negative_offset));
-    positive_sum += in_positive ? term : 0.0f;
-    negative_sum += in_positive ? 0.0f : term;
+    const bool in_positive = labels.row[r] == (k % 2 == 0 ? column_ids.x : column_ids.y);
+    const float term = weight * fast_exp2(u - (in_positive ? positive_max : negative_max));
+    if (in_positive) {
+      positive_sum += term;
+    } else {
+      negative_sum += term;
+    }
   });
-  positive = {positive_max, positive_sum};
-  negative = {negative_max, negative_sum};
+  constexpr float kLn2 = 1.0f / kLog2e;
+  positive = {positive_max * kLn2, positive_max == kInfinity ? 1.0f : positive_sum};
+  negative = {negative_max * kLn2, negative_max == kInfinity ? 1.0f : negative_sum};
 }
 
 // partials[blockIdx] = (max_P, Σ_P, max_N, Σ_N) of one kMmaTile² tile of
@@ -225,17 +224,19 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
   const int64_t row0 = ti * kMmaTile;
   const int64_t col0 = tj * kMmaTile;
   TileAccumulators tile;
-  multiply_tile(tile, in, row0, col0, stage_memory<T>(stages), [&] { labels.load(in, row0, col0); });
-  __syncthreads(); // the labels, also where dim gives the main loop no step
+  bool labels_fit;
+  multiply_tile(tile, in, row0, col0, stage_memory<T>(stages), [&] { labels_fit = labels.load(in, row0, col0); });
+  labels.settle(labels_fit, in, row0, col0, stages); // also where dim gives the main loop no step
   const int valid_rows = static_cast<int>(in.n_rows - row0 < kMmaTile ? in.n_rows - row0 : kMmaTile);
   const int valid_cols = static_cast<int>(in.n_cols - col0 < kMmaTile ? in.n_cols - col0 : kMmaTile);
   const bool diagonal = symmetric && ti == tj;
+  const TileLogit tile_logit(logit, kLog2e);
   LseState<float> positive;
   LseState<float> negative;
   if (!diagonal && valid_rows == kMmaTile && valid_cols == kMmaTile) {
-    tile_entry_states<true>(tile, labels, logit, valid_rows, valid_cols, diagonal, positive, negative);
+    tile_entry_states<true>(tile, labels, tile_logit, valid_rows, valid_cols, diagonal, positive, negative);
   } else {
-    tile_entry_states<false>(tile, labels, logit, valid_rows, valid_cols, diagonal, positive, negative);
+    tile_entry_states<false>(tile, labels, tile_logit, valid_rows, valid_cols, diagonal, positive, negative);
   }
   block_fold<kMmaThreads>(positive, negative, scratch);
   if (threadIdx.x == 0) {
@@ -266,13 +267,17 @@ struct GlobalWeightRule {
   }
 
   __device__ __forceinline__ auto at(const Shared& shared) const {
+    const TileLogit tile_logit(logit, kLog2e);
     const float positive_offset = shared.lse[0];
     const float negative_offset = shared.lse[1];
-    const float scale = shared.scale;
-    return [=, logit = logit](float s, bool positive, int, int) {
-      float slope;
-      const float z = logit(s, positive, &slope);
-      return scale * fast_exp2(fmaf(z, kLog2e, positive ? positive_offset : negative_offset)) * slope;
+    // 2σ(Z) times the slope's factor ∓γ/2 of twice_alpha.
+    const float positive_factor = -0.5f * shared.scale * logit.gamma;
+    const float negative_factor = 0.5f * shared.scale * logit.gamma;
+    return [=](float s, bool positive, int, int) {
+      float twice_alpha;
+      const float u = tile_logit(s, positive, &twice_alpha);
+      const float w = twice_alpha * fast_exp2(u + (positive ? positive_offset : negative_offset));
+      return w * (positive ? positive_factor : negative_factor);
     };
   }
 };

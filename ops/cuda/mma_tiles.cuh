@@ -114,6 +114,41 @@ __device__ __forceinline__ float fast_nan_max(float a, float b) {
 #endif
 }
 
+// PairLogit as the tile epilogues compute it, in units of 1/unit (log2(e)
+// for a logit that goes straight to ex2). What bounds the epilogues is the
+// ALU pipe (compares, selects, min/max), which issues at half the rate of
+// the FMA pipe; so each set's constants are taken by a pair of predicated
+// instructions on the FMA pipe, one of which runs, rather than by selects,
+// and relu(t) by t + |t| = 2·relu(t), exact. With t the distance
+// (1 + m) - s or s + m and v = (1 - m) - s or s - m (positive or negative):
+//   z = γ·relu(t)·v = (t + |t|)·(v·γ/2),   dz/ds = ∓γ·relu(t) = ∓(γ/2)·(t + |t|).
+struct TileLogit {
+  float margin;
+  float one_plus_margin;
+  float scaled_half_gamma; // unit·γ/2
+  float scaled_margin; // unit·m·γ/2
+  float scaled_one_less_margin; // unit·(1 - m)·γ/2
+
+  __device__ __forceinline__ TileLogit(const PairLogit<float>& logit, float unit)
+      : margin(logit.margin),
+        one_plus_margin(1.0f + logit.margin),
+        scaled_half_gamma(0.5f * logit.gamma * unit),
+        scaled_margin(0.5f * logit.gamma * unit * logit.margin),
+        scaled_one_less_margin(0.5f * logit.gamma * unit * (1.0f - logit.margin)) {}
+
+  // unit·z; twice_alpha = t + |t|, from which the slope.
+  __device__ __forceinline__ float operator()(float s, bool positive, float* twice_alpha) const {
+    float t = s + margin;
+    float scaled_v = fmaf(s, scaled_half_gamma, -scaled_margin);
+    if (positive) {
+      t = one_plus_margin - s;
+      scaled_v = fmaf(s, -scaled_half_gamma, scaled_one_less_margin);
+    }
+    *twice_alpha = t + fabsf(t);
+    return *twice_alpha * scaled_v;
+  }
+};
+
 // The two sides of a product rows · colsᵀ and their labels, as the
 // tensor-core kernels take them (as __grid_constant__ parameters, which the
 // bulk copies require of their tensor maps). Made by make_tile_operands.
@@ -667,26 +702,64 @@ __device__ __forceinline__ void multiply_tile(
 #endif
 }
 
-// The labels of a tile's rows and columns in shared memory (0 past the
-// end, where no entry is visited), loaded by the CTA while its first stages
-// land.
+// The labels of a tile's rows and columns in shared memory as 32-bit ids,
+// equal where the labels are equal: an entry's set is then one 32-bit
+// compare, where 64-bit labels take two. Labels that fit in 32 bits are
+// their own ids; a tile with one that does not numbers its labels apart
+// instead (each one's id is the first of the tile's 2·kMmaTile positions
+// that holds it). Past the ends: id 0, at no visited entry.
 struct TileLabels {
-  int64_t row[kMmaTile];
-  int64_t col[kMmaTile];
+  int32_t row[kMmaTile];
+  int32_t col[kMmaTile];
 
   template <typename T>
-  __device__ __forceinline__ void load(const TileOperands<T>& in, int64_t row0, int64_t col0) {
+  __device__ __forceinline__ static int64_t label_at(const TileOperands<T>& in, int64_t row0, int64_t col0) {
     static_assert(2 * kMmaTile == kMmaThreads, "one label a thread");
     const int i = threadIdx.x % kMmaTile;
-    if (threadIdx.x < kMmaTile) {
-      row[i] = row0 + i < in.n_rows ? in.row_labels[row0 + i] : 0;
-    } else {
-      col[i] = col0 + i < in.n_cols ? in.col_labels[col0 + i] : 0;
-    }
+    if (threadIdx.x < kMmaTile) return row0 + i < in.n_rows ? in.row_labels[row0 + i] : 0;
+    return col0 + i < in.n_cols ? in.col_labels[col0 + i] : 0;
+  }
+
+  __device__ __forceinline__ int32_t& id() { return threadIdx.x < kMmaTile ? row[threadIdx.x] : col[threadIdx.x - kMmaTile]; }
+
+  // While the first stages land. Returns whether this thread's label fits
+  // in 32 bits, for settle().
+  template <typename T>
+  __device__ __forceinline__ bool load(const TileOperands<T>& in, int64_t row0, int64_t col0) {
+    const int64_t label = label_at(in, row0, col0);
+    id() = static_cast<int32_t>(label);
+    return static_cast<int32_t>(label) == label;
+  }
+
+  // After the main loop, in place of a CTA barrier (which it is): makes the
+  // ids final and visible to every thread. fits: what load() returned;
+  // scratch: the stages, free once the products are done, for the labels of
+  // a tile that has to number them apart.
+  template <typename T>
+  __device__ __forceinline__ void settle(bool fits, const TileOperands<T>& in, int64_t row0, int64_t col0, void* scratch) {
+    if (__syncthreads_and(fits)) return;
+    int64_t* labels = static_cast<int64_t*>(scratch);
+    const int64_t label = label_at(in, row0, col0);
+    labels[threadIdx.x] = label;
+    __syncthreads();
+    int first = 0;
+    while (labels[first] != label) ++first;
+    id() = first;
+    __syncthreads();
   }
 
   __device__ __forceinline__ bool positive(int row_in_tile, int col_in_tile) const {
     return row[row_in_tile] == col[col_in_tile];
+  }
+
+  // The ids of columns c and c + 1 (c even), read from shared memory anew:
+  // a pass that compares labels again after an earlier one then costs an
+  // instruction an entry, where the compiler would otherwise keep the
+  // earlier compares packed as bits, two or three instructions an entry.
+  __device__ __forceinline__ int2 column_pair_anew(int c) const {
+    int2 ids;
+    asm volatile("ld.volatile.shared.v2.s32 {%0, %1}, [%2];" : "=r"(ids.x), "=r"(ids.y) : "r"(shared_address(&col[c])));
+    return ids;
   }
 };
 
@@ -716,11 +789,13 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
   __shared__ TileLabels labels;
   __shared__ typename Rule::Shared shared_rule;
   TileAccumulators tile;
+  bool labels_fit;
   multiply_tile(tile, in, row0, col0, stage_memory<T>(stages), [&] {
-    labels.load(in, row0, col0);
+    labels_fit = labels.load(in, row0, col0);
     rule.load(shared_rule, row0, col0);
   });
-  __syncthreads(); // the labels and the rule's values, also where dim gives the main loop no step
+  // The labels and the rule's values, also where dim gives the main loop no step.
+  labels.settle(labels_fit, in, row0, col0, stages);
   // W in registers first, then to shared memory: with no store between them
   // the compiler reads each row's labels and values from shared memory once.
   const auto weight = rule.at(shared_rule);
