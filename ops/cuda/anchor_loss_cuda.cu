@@ -329,7 +329,8 @@ __global__ void __launch_bounds__(kThreads) weights_kernel(
 // tile_weights_kernel's rule for the per-anchor form: weights_kernel's W,
 // from the coefficients of the tile's rows (and, without a reference set,
 // of its columns), held in shared memory as (-LSE_P·log2(e), -LSE_N·log2(e),
-// factor) so that each term is one multiply-add and one ex2.
+// factor) so that each term, from a logit in log2 units, is one add and one
+// ex2.
 struct AnchorWeightRule {
   PairLogit<float> logit;
   const float* row_coefficients; // (n_rows, 3): the strip's rows
@@ -352,9 +353,9 @@ struct AnchorWeightRule {
     return make_float4(-c.lse[0] * kLog2e, -c.lse[1] * kLog2e, c.factor, 0.0f);
   }
 
-  // factor·exp(z - LSE of the set)·slope for one side's coefficients.
-  __device__ __forceinline__ static float term(const float4& c, float z, bool positive) {
-    return c.z == 0.0f ? 0.0f : c.z * fast_exp2(fmaf(z, kLog2e, positive ? c.x : c.y));
+  // factor·exp(z - LSE of the set) for one side's coefficients, u = z·log2(e).
+  __device__ __forceinline__ static float term(const float4& c, float u, bool positive) {
+    return c.z == 0.0f ? 0.0f : c.z * fast_exp2(u + (positive ? c.x : c.y));
   }
 
   __device__ __forceinline__ void load(Shared& shared, int64_t row0, int64_t col0) const {
@@ -373,11 +374,13 @@ struct AnchorWeightRule {
   }
 
   __device__ __forceinline__ auto at(const Shared& shared) const {
-    return [&shared, logit = logit](float s, bool positive, int r, int c) {
-      float slope;
-      const float z = logit(s, positive, &slope);
-      const float w = (term(shared.row[r], z, positive) + term(shared.col[c], z, positive)) * slope;
-      return c == shared.skipped[r] ? 0.0f : w;
+    const TileLogit tile_logit(logit, kLog2e);
+    const float half_gamma = 0.5f * logit.gamma; // the slope is ∓half_gamma·twice_alpha
+    return [&shared, tile_logit, half_gamma](float s, bool positive, int r, int c) {
+      float twice_alpha;
+      const float u = tile_logit(s, positive, &twice_alpha);
+      const float w = (term(shared.row[r], u, positive) + term(shared.col[c], u, positive)) * twice_alpha;
+      return c == shared.skipped[r] ? 0.0f : w * (positive ? -half_gamma : half_gamma);
     };
   }
 };
@@ -385,20 +388,13 @@ struct AnchorWeightRule {
 // The most a grid's y may count.
 constexpr int64_t kMaxGridY = 65535;
 
-// exp(z - largest) for a logit z of a set whose maximum is largest: 0 for an
-// entry that is no pair (-inf), exactly 1 at the maximum (an infinite one too).
-__device__ __forceinline__ float term_at(float z, float largest) {
-  if (z == -std::numeric_limits<float>::infinity()) return 0.0f;
-  return z == largest ? 1.0f : fast_exp2(fmaf(z, kLog2e, -largest * kLog2e));
-}
-
 // What tile_states_kernel keeps in the stages' memory once its products are
 // done: the tile's logits for the column states, each warp's states of its
 // share of the rows, and each column's states over the tile's lower half of
 // rows, as PairStates records.
 struct TileStatesScratch {
   static constexpr int kStride = kMmaTile + 8; // padded rows: a warp's paired stores fall in distinct banks
-  float logits[kMmaTile * kStride]; // -inf where an entry is no pair
+  float logits[kMmaTile * kStride]; // in units of 1/log2(e); -inf where an entry is no pair
   float row_states[TileAccumulators::kWarpsPerRow * kMmaTile * PairStates<float>::kValues];
   float col_states[kMmaTile * PairStates<float>::kValues]; // the tile's lower half of rows
 };
@@ -413,19 +409,21 @@ struct TilePairs {
 };
 
 // The row states of a tile whose entries hold S on entry and, on exit, their
-// logits (-inf where they are no pair): each warp's (max, Σ exp(z - max)) of
-// both sets over its share of each row, in scratch.row_states[row_warp()][row].
-// kEveryEntry: every entry is a pair, and none is tested.
+// logits in units of 1/log2(e) (-inf where they are no pair): each warp's
+// (max, Σ exp(z - max)) of both sets over its share of each row, in
+// scratch.row_states[row_warp()][row]. kEveryEntry: every entry is a pair,
+// and none is tested.
 template <bool kEveryEntry>
 __device__ __forceinline__ void tile_row_states(
     TileAccumulators& tile,
     const TileLabels& labels,
     const TilePairs& pairs,
-    const PairLogit<float>& logit,
+    const TileLogit& logit,
     TileStatesScratch& scratch) {
   constexpr int kSlots = TileAccumulators::kRowSlots;
   constexpr float kNone = -std::numeric_limits<float>::infinity();
-  // Plain arrays, each entry picking one by a select, keep them in registers.
+  // Plain arrays, each entry updating one by a predicated instruction, keep
+  // them in registers.
   float positive_max[kSlots];
   float negative_max[kSlots];
   float positive_sum[kSlots] = {};
@@ -444,14 +442,11 @@ __device__ __forceinline__ void tile_row_states(
       skipped[slot] = pairs.skipped[r];
     }
   }
-  uint32_t positives[TileAccumulators::kEntries / 32] = {};
-  const auto is_positive = [&](int k) { return (positives[k / 32] & 1u << k % 32) != 0u; };
   tile.for_each([&](float& s, int r, int c, int k) {
     const bool in_positive = labels.positive(r, c);
-    positives[k / 32] |= static_cast<uint32_t>(in_positive) << k % 32;
     const int slot = TileAccumulators::row_slot(k);
-    float slope;
-    s = logit(s, in_positive, &slope);
+    float twice_alpha;
+    s = logit(s, in_positive, &twice_alpha);
     if constexpr (!kEveryEntry) {
       if (c >= end[slot] || c == skipped[slot]) s = kNone;
     }
@@ -461,6 +456,8 @@ __device__ __forceinline__ void tile_row_states(
       negative_max[slot] = fast_nan_max(negative_max[slot], s);
     }
   });
+  float positive_base[kSlots];
+  float negative_base[kSlots];
 #pragma unroll
   for (int slot = 0; slot < kSlots; ++slot) {
 #pragma unroll
@@ -468,13 +465,20 @@ __device__ __forceinline__ void tile_row_states(
       positive_max[slot] = fast_nan_max(positive_max[slot], __shfl_xor_sync(0xffffffffu, positive_max[slot], lanes));
       negative_max[slot] = fast_nan_max(negative_max[slot], __shfl_xor_sync(0xffffffffu, negative_max[slot], lanes));
     }
+    positive_base[slot] = exponent_base(positive_max[slot]);
+    negative_base[slot] = exponent_base(negative_max[slot]);
   }
-  tile.for_each([&](float z, int, int, int k) {
+  int2 column_ids;
+  tile.for_each([&](float u, int r, int c, int k) {
+    if (k % 4 == 0) column_ids = labels.column_pair_anew(c); // the fragment's columns c and c + 1
     const int slot = TileAccumulators::row_slot(k);
-    const bool in_positive = is_positive(k);
-    const float term = term_at(z, in_positive ? positive_max[slot] : negative_max[slot]);
-    positive_sum[slot] += in_positive ? term : 0.0f;
-    negative_sum[slot] += in_positive ? 0.0f : term;
+    const bool in_positive = labels.row[r] == (k % 2 == 0 ? column_ids.x : column_ids.y);
+    const float term = fast_exp2(u - (in_positive ? positive_base[slot] : negative_base[slot]));
+    if (in_positive) {
+      positive_sum[slot] += term;
+    } else {
+      negative_sum[slot] += term;
+    }
   });
 #pragma unroll
   for (int slot = 0; slot < kSlots; ++slot) {
@@ -484,8 +488,9 @@ __device__ __forceinline__ void tile_row_states(
       negative_sum[slot] += __shfl_xor_sync(0xffffffffu, negative_sum[slot], lanes);
     }
     if (threadIdx.x % 4 == 0) {
-      PairStates<float>{{positive_max[slot], positive_sum[slot]}, {negative_max[slot], negative_sum[slot]}}.store_at(
-          scratch.row_states, TileAccumulators::row_warp() * kMmaTile + TileAccumulators::slot_row(slot));
+      PairStates<float>{natural_state(positive_max[slot], positive_sum[slot]),
+                        natural_state(negative_max[slot], negative_sum[slot])}
+          .store_at(scratch.row_states, TileAccumulators::row_warp() * kMmaTile + TileAccumulators::slot_row(slot));
     }
   }
 }
@@ -536,10 +541,11 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
   TileStatesScratch& scratch = *stage_memory<TileStatesScratch>(stages);
   const bool every_entry = pairs.valid_rows == kMmaTile && pairs.valid_cols == kMmaTile && !(self && ti == tj) &&
       left_out == nullptr;
+  const TileLogit tile_logit(logit, kLog2e);
   if (every_entry) {
-    tile_row_states<true>(tile, labels, pairs, logit, scratch);
+    tile_row_states<true>(tile, labels, pairs, tile_logit, scratch);
   } else {
-    tile_row_states<false>(tile, labels, pairs, logit, scratch);
+    tile_row_states<false>(tile, labels, pairs, tile_logit, scratch);
   }
   const bool columns = self && tj > ti;
   if (columns) {
@@ -582,23 +588,25 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
   for (int r = 0; r < kHalf; ++r) {
     const bool in_positive = labels.row[first + r] == label;
     positives |= static_cast<uint64_t>(in_positive) << r;
-    const float z = logits[r * TileStatesScratch::kStride];
+    const float u = logits[r * TileStatesScratch::kStride];
     if (in_positive) {
-      positive_max = fast_nan_max(positive_max, z);
+      positive_max = fast_nan_max(positive_max, u);
     } else {
-      negative_max = fast_nan_max(negative_max, z);
+      negative_max = fast_nan_max(negative_max, u);
     }
   }
+  const float positive_base = exponent_base(positive_max);
+  const float negative_base = exponent_base(negative_max);
   float positive_sum = 0.0f;
   float negative_sum = 0.0f;
 #pragma unroll 8
   for (int r = 0; r < kHalf; ++r) {
     const bool in_positive = (positives >> r & 1u) != 0u;
-    const float term = term_at(logits[r * TileStatesScratch::kStride], in_positive ? positive_max : negative_max);
+    const float term = fast_exp2(logits[r * TileStatesScratch::kStride] - (in_positive ? positive_base : negative_base));
     positive_sum += in_positive ? term : 0.0f;
     negative_sum += in_positive ? 0.0f : term;
   }
-  PairStates<float> state{{positive_max, positive_sum}, {negative_max, negative_sum}};
+  PairStates<float> state{natural_state(positive_max, positive_sum), natural_state(negative_max, negative_sum)};
   if (first != 0) state.store_at(scratch.col_states, c);
   __syncthreads();
   if (first == 0 && col0 + c < in.n_cols) {

@@ -148,9 +148,7 @@ __device__ __forceinline__ void tile_position(bool symmetric, int64_t row_tiles,
 // (1; 1/2 on a symmetric product's diagonal, 0 below it or past the end).
 // kEveryEntry: a full tile off the diagonal, where every entry has weight 1
 // and none is tested. The maxima come first, then the sums at them: one ex2
-// an entry, no branch. The terms are 2^(u - max u), 1 at the maximum; an
-// infinite maximum, where that would be NaN, gives its set the sum 1
-// instead, the same infinite LSE.
+// an entry, no branch.
 template <bool kEveryEntry>
 __device__ __forceinline__ void tile_entry_states(
     TileAccumulators& tile,
@@ -200,9 +198,8 @@ __device__ __forceinline__ void tile_entry_states(
       negative_sum += term;
     }
   });
-  constexpr float kLn2 = 1.0f / kLog2e;
-  positive = {positive_max * kLn2, positive_max == kInfinity ? 1.0f : positive_sum};
-  negative = {negative_max * kLn2, negative_max == kInfinity ? 1.0f : negative_sum};
+  positive = natural_state(positive_max, positive_sum);
+  negative = natural_state(negative_max, negative_sum);
 }
 
 // partials[blockIdx] = (max_P, Σ_P, max_N, Σ_N) of one kMmaTile² tile of

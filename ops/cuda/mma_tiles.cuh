@@ -149,6 +149,22 @@ struct TileLogit {
   }
 };
 
+// A set's terms in log2 units are 2^(u - max u): 1 within rounding at the
+// maximum, one subtraction and one ex2 an entry. What the two ends need:
+//   exponent_base: the max u the terms take, 0 for a set that has no pair
+//     (max -inf), whose entries are then -inf, no pairs, and take 0 rather
+//     than 2^(-inf + inf) = NaN;
+//   natural_state: the set's (max, Σ) in natural units; an infinite maximum,
+//     whose terms were NaN, gets the sum 1 instead: the same infinite LSE.
+__device__ __forceinline__ float exponent_base(float max_u) {
+  return max_u == -std::numeric_limits<float>::infinity() ? 0.0f : max_u;
+}
+
+__device__ __forceinline__ LseState<float> natural_state(float max_u, float sum) {
+  constexpr float kLn2 = 1.0f / kLog2e;
+  return {max_u * kLn2, max_u == std::numeric_limits<float>::infinity() ? 1.0f : sum};
+}
+
 // The two sides of a product rows · colsᵀ and their labels, as the
 // tensor-core kernels take them (as __grid_constant__ parameters, which the
 // bulk copies require of their tensor maps). Made by make_tile_operands.
