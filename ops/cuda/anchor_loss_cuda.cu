@@ -896,7 +896,7 @@ class AnchorPasses {
               tile_operands(strip),
               AnchorWeightRule{logit_, row_coefficients, col_coefficients, strip.rows, strip.cols, first_column(strip),
                                left_out(strip)},
-              weights.data_ptr<scalar_t>());
+              /*symmetric=*/false, weights.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     return weights;

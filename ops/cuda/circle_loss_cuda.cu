@@ -35,7 +35,9 @@
 //   tile_lse_kernel       the loss pass in one launch over every tile on and
 //                         above the diagonal, partials as strip_lse_kernel's.
 //   tile_weights_kernel   (mma_tiles.cuh, with GlobalWeightRule) the gradient
-//                         pass's W, strip by strip, straight from the tiles;
+//                         pass's W, strip by strip, straight from the tiles
+//                         (W is symmetric: a strip's diagonal block from
+//                         the tiles above its diagonal, stored both ways);
 //                         cuBLAS then multiplies W by F as above. W alone
 //                         leaves strips room for more rows, and wide ones
 //                         are cut into chunks of columns (plan_column_chunks).
@@ -859,7 +861,7 @@ class StripPasses {
               make_tile_operands(rows_.features.data_ptr<scalar_t>() + strip.row0 * rows_.dim(), row_labels(strip),
                                  strip.rows, cols_.features.data_ptr<scalar_t>() + strip.col0 * cols_.dim(),
                                  col_labels(strip), strip.cols, rows_.dim()),
-              GlobalWeightRule{logit_, scalars}, weights.data_ptr<scalar_t>());
+              GlobalWeightRule{logit_, scalars}, symmetric_ && strip.col0 == strip.row0, weights.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     return weights;

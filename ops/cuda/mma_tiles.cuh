@@ -789,17 +789,22 @@ struct TileLabels {
 //   at(const Shared&) -> Entry     a thread's view of it, where Entry(s,
 //                                  positive, r, c) is W at (r, c) of the tile.
 // The tile of W goes through shared memory, so that global stores are whole
-// 16 bytes.
+// 16 bytes. symmetric: the strip's columns start at its first row and W is
+// symmetric there (the global form), so its diagonal block's tiles below
+// the diagonal are those above it transposed: those CTAs return at once,
+// and the ones above store their tile's transpose too, element by element.
 template <typename T, typename Rule>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
     const __grid_constant__ TileOperands<T> in,
     const Rule rule,
+    bool symmetric,
     T* __restrict__ weights) { // (R, C)
   extern __shared__ __align__(128) unsigned char stages[];
   constexpr int kStride = kMmaTile + 8; // padded rows of the staged tile: its writes avoid bank conflicts
   static_assert(kStride * sizeof(T) % 16 == 0, "staged rows start 16-byte aligned");
   static_assert(kMmaTile * kStride * sizeof(T) <= kMmaSharedBytes - kStageAlignment,
                 "the staged tile fits in the stages");
+  if (symmetric && blockIdx.y < blockIdx.x) return;
   const int64_t row0 = blockIdx.x * static_cast<int64_t>(kMmaTile);
   const int64_t col0 = blockIdx.y * static_cast<int64_t>(kMmaTile);
   __shared__ TileLabels labels;
@@ -816,6 +821,12 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
   // the compiler reads each row's labels and values from shared memory once.
   const auto weight = rule.at(shared_rule);
   tile.for_each([&](float& s, int r, int c, int) { s = weight(s, labels.positive(r, c), r, c); });
+  if (symmetric && blockIdx.y > blockIdx.x && col0 < in.n_rows) {
+    // Row col0 + c of the strip is its column col0 + c.
+    tile.for_each([&](float w, int r, int c, int) {
+      if (row0 + r < in.n_rows && col0 + c < in.n_rows) weights[(col0 + c) * in.n_cols + row0 + r] = static_cast<T>(w);
+    });
+  }
   T* staged = stage_memory<T>(stages);
   __syncthreads(); // every warp is done with the stages
   tile.for_each([&](float w, int r, int c, int) { staged[r * kStride + c] = static_cast<T>(w); });
