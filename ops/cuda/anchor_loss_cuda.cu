@@ -772,7 +772,8 @@ class AnchorPasses {
       const acc_t* row_coefficients = coefficient + kValues * strip->row0;
       const acc_t* col_coefficients = self_ ? coefficient + kValues * strip->col0 : nullptr;
       const at::Tensor weights = tensor_cores_
-          ? launch_tile_weights(*strip, weight_space, row_coefficients, col_coefficients)
+          ? launch_tile_weights(*strip, weight_space, row_coefficients, col_coefficients,
+                                /*after_products=*/strip != strips.crbegin())
           : launch_weights(*strip, strip_similarities(q_, r_, *strip, similarity_space()), weight_space,
                            row_coefficients, col_coefficients);
       const at::Tensor own_rows = q_.features.narrow(0, strip->row0, strip->rows);
@@ -881,23 +882,24 @@ class AnchorPasses {
   }
 
   // tile_weights_kernel over a strip, as launch_weights without S.
+  // after_products: the stream's last kernels are the products of the
+  // previous strip's W, of which the kernel is made a dependent.
   at::Tensor launch_tile_weights(
       const Strip& strip,
       const at::Tensor& weight_space,
       const acc_t* row_coefficients,
-      const acc_t* col_coefficients) const {
+      const acc_t* col_coefficients,
+      bool after_products) const {
     const at::Tensor weights = weight_space.narrow(0, 0, strip.rows * strip.cols).view({strip.rows, strip.cols});
     if constexpr (kHasMmaTiles<scalar_t>) {
       // x over the strip's rows of tiles, the fastest: the CTAs resident at
       // once share their columns' operand tiles through L2.
       const dim3 grid(static_cast<unsigned>(tiles(strip.rows)), static_cast<unsigned>(tiles(strip.cols)));
-      tile_weights_kernel<scalar_t, AnchorWeightRule>
-          <<<grid, kMmaThreads, kMmaSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
-              tile_operands(strip),
-              AnchorWeightRule{logit_, row_coefficients, col_coefficients, strip.rows, strip.cols, first_column(strip),
-                               left_out(strip)},
-              /*symmetric=*/false, weights.data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_kernel(after_products, tile_weights_kernel<scalar_t, AnchorWeightRule>, grid, dim3(kMmaThreads),
+                    kMmaSharedBytes, tile_operands(strip),
+                    AnchorWeightRule{logit_, row_coefficients, col_coefficients, strip.rows, strip.cols,
+                                     first_column(strip), left_out(strip)},
+                    /*symmetric=*/false, weights.data_ptr<scalar_t>());
     }
     return weights;
   }

@@ -727,7 +727,8 @@ class StripPasses {
     at::Tensor grad = at::empty({rows_.size(), rows_.features.size(1)}, rows_.features.options().dtype(dtype_of<acc_t>()));
     if (tensor_cores_) {
       for (auto strip = strips_.crbegin(); strip != strips_.crend(); ++strip) {
-        add_strip_gradient(grad, launch_tile_weights(*strip, scalars.data_ptr<double>()), *strip,
+        const bool after_products = strip != strips_.crbegin();
+        add_strip_gradient(grad, launch_tile_weights(*strip, scalars.data_ptr<double>(), after_products), *strip,
                            /*accumulate_own=*/!last_chunk_of_rows(strips_, strip), /*accumulate_below=*/true);
       }
       return grad;
@@ -850,19 +851,22 @@ class StripPasses {
   }
 
   // tile_weights_kernel over a strip; returns its (rows, cols) weights.
-  at::Tensor launch_tile_weights(const Strip& strip, const double* scalars) {
+  // after_products: the stream's last kernels are the products of the
+  // previous strip's W, of which the kernel is made a dependent.
+  at::Tensor launch_tile_weights(const Strip& strip, const double* scalars, bool after_products) {
     const at::Tensor weights = workspace_.narrow(0, 0, strip.rows * strip.cols).view({strip.rows, strip.cols});
     if constexpr (kHasMmaTiles<scalar_t>) {
       // x over the strip's rows of tiles, the fastest: the CTAs resident at
       // once share their columns' operand tiles through L2.
       const dim3 grid(static_cast<unsigned>(tiles(strip.rows)), static_cast<unsigned>(tiles(strip.cols)));
-      tile_weights_kernel<scalar_t, GlobalWeightRule>
-          <<<grid, kMmaThreads, kMmaSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
-              make_tile_operands(rows_.features.data_ptr<scalar_t>() + strip.row0 * rows_.dim(), row_labels(strip),
-                                 strip.rows, cols_.features.data_ptr<scalar_t>() + strip.col0 * cols_.dim(),
-                                 col_labels(strip), strip.cols, rows_.dim()),
-              GlobalWeightRule{logit_, scalars}, symmetric_ && strip.col0 == strip.row0, weights.data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_kernel(after_products, tile_weights_kernel<scalar_t, GlobalWeightRule>, grid, dim3(kMmaThreads),
+                    kMmaSharedBytes,
+                    make_tile_operands(rows_.features.data_ptr<scalar_t>() + strip.row0 * rows_.dim(),
+                                       row_labels(strip), strip.rows,
+                                       cols_.features.data_ptr<scalar_t>() + strip.col0 * cols_.dim(),
+                                       col_labels(strip), strip.cols, rows_.dim()),
+                    GlobalWeightRule{logit_, scalars}, symmetric_ && strip.col0 == strip.row0,
+                    weights.data_ptr<scalar_t>());
     }
     return weights;
   }
@@ -1109,8 +1113,8 @@ at::Tensor loss_backward_cuda(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_features.scalar_type(), "circle_loss_backward_cuda", [&] {
     const int64_t vectors = std::max<int64_t>(n / kVec<scalar_t>, 1);
     const auto blocks = static_cast<unsigned>(std::min<int64_t>((vectors + kThreads - 1) / kThreads, 4096));
-    launch_dependent(scale_kernel<scalar_t>, dim3(blocks), 0, grad_features.data_ptr<scalar_t>(),
-                     grad_loss.data_ptr<scalar_t>(), n, out.data_ptr<scalar_t>());
+    launch_kernel(/*dependent=*/true, scale_kernel<scalar_t>, dim3(blocks), dim3(kThreads), 0,
+                  grad_features.data_ptr<scalar_t>(), grad_loss.data_ptr<scalar_t>(), n, out.data_ptr<scalar_t>());
   });
   return out;
 }

@@ -312,8 +312,8 @@ __device__ __forceinline__ TilePosition<Index> grouped_tile(Index index, Index r
 }
 
 // Programmatic dependent launch (sm_90 on; no-ops before, and in a kernel
-// launched the ordinary way): the first lets the stream's next kernel, if it
-// was launched by launch_dependent, start now; the second waits until the
+// launched the ordinary way): the first lets the stream's next kernel, if
+// launch_kernel made it a dependent, start now; the second waits until the
 // stream's previous kernel has finished and its writes are visible.
 __device__ __forceinline__ void allow_dependents_to_start() {
 #if __CUDA_ARCH__ >= 900
@@ -334,21 +334,22 @@ inline int compute_capability_major() {
   return major;
 }
 
-// Launches `kernel` on the current stream as a programmatic dependent of the
-// stream's previous kernel (sm_90 on): it may start before that one has
-// finished, and calls wait_for_prerequisites() before reading its output.
+// Launches `kernel` on the current stream; with `dependent` (sm_90 on) as a
+// programmatic dependent of the stream's previous kernel: it may start before
+// that one has finished, and calls wait_for_prerequisites() before it reads
+// that kernel's output or writes what that kernel reads.
 template <typename... Params, typename... Args>
-void launch_dependent(void (*kernel)(Params...), dim3 grid, size_t shared_bytes, Args&&... args) {
+void launch_kernel(bool dependent, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, Args&&... args) {
   cudaLaunchAttribute attribute = {};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
-  config.blockDim = dim3(kThreads);
+  config.blockDim = block;
   config.dynamicSmemBytes = shared_bytes;
   config.stream = c10::cuda::getCurrentCUDAStream();
   config.attrs = &attribute;
-  config.numAttrs = compute_capability_major() >= 9 ? 1 : 0;
+  config.numAttrs = dependent && compute_capability_major() >= 9 ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 

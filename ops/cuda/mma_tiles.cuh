@@ -793,6 +793,9 @@ struct TileLabels {
 // symmetric there (the global form), so its diagonal block's tiles below
 // the diagonal are those above it transposed: those CTAs return at once,
 // and the ones above store their tile's transpose too, element by element.
+// Launched as a dependent of the products that read the previous strip's W
+// from the same memory, a CTA forms its tile while they finish and waits
+// only before it stores.
 template <typename T, typename Rule>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
     const __grid_constant__ TileOperands<T> in,
@@ -821,6 +824,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
   // the compiler reads each row's labels and values from shared memory once.
   const auto weight = rule.at(shared_rule);
   tile.for_each([&](float& s, int r, int c, int) { s = weight(s, labels.positive(r, c), r, c); });
+  wait_for_prerequisites();
   if (symmetric && blockIdx.y > blockIdx.x && col0 < in.n_rows) {
     // Row col0 + c of the strip is its column col0 + c.
     tile.for_each([&](float w, int r, int c, int) {

@@ -793,9 +793,10 @@ void small_batch(
   // One CTA per row block and slice of the features, and the loss's.
   const int slices = std::max((dim + Shape::kSliceCols - 1) / Shape::kSliceCols, 1);
   const dim3 grid(edge * slices + 1);
-  launch_dependent(gradient_kernel, grid, Shape::kSharedBytes, feature_data, batch, dim, vectorized,
-                   batch % kVec<acc_t> == 0, static_cast<const acc_t*>(terms), static_cast<const acc_t*>(partials),
-                   units, std::signbit(gamma), loss.data_ptr<scalar_t>(), grad->data_ptr<scalar_t>());
+  launch_kernel(/*dependent=*/true, gradient_kernel, grid, dim3(kThreads), Shape::kSharedBytes, feature_data, batch, dim,
+                vectorized, batch % kVec<acc_t> == 0, static_cast<const acc_t*>(terms),
+                static_cast<const acc_t*>(partials), units, std::signbit(gamma), loss.data_ptr<scalar_t>(),
+                grad->data_ptr<scalar_t>());
 }
 
 } // namespace
