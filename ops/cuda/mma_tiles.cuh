@@ -792,10 +792,10 @@ struct TileLabels {
 // 16 bytes. symmetric: the strip's columns start at its first row and W is
 // symmetric there (the global form), so its diagonal block's tiles below
 // the diagonal are those above it transposed: those CTAs return at once,
-// and the ones above store their tile's transpose too, element by element.
-// Launched as a dependent of the products that read the previous strip's W
-// from the same memory, a CTA forms its tile while they finish and waits
-// only before it stores.
+// and the ones above store their tile's transpose too. Launched as a
+// dependent of the products that read the previous strip's W from the same
+// memory, a CTA forms its tile while they finish and waits only before it
+// stores.
 template <typename T, typename Rule>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
     const __grid_constant__ TileOperands<T> in,
@@ -825,32 +825,35 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
   const auto weight = rule.at(shared_rule);
   tile.for_each([&](float& s, int r, int c, int) { s = weight(s, labels.positive(r, c), r, c); });
   wait_for_prerequisites();
-  if (symmetric && blockIdx.y > blockIdx.x && col0 < in.n_rows) {
-    // Row col0 + c of the strip is its column col0 + c.
-    tile.for_each([&](float w, int r, int c, int) {
-      if (row0 + r < in.n_rows && col0 + c < in.n_rows) weights[(col0 + c) * in.n_cols + row0 + r] = static_cast<T>(w);
-    });
-  }
+  // The tile, or its transpose, through shared memory to W's rows from
+  // out_row0 and columns from out_col0, those before row_end and col_end.
   T* staged = stage_memory<T>(stages);
-  __syncthreads(); // every warp is done with the stages
-  tile.for_each([&](float w, int r, int c, int) { staged[r * kStride + c] = static_cast<T>(w); });
-  __syncthreads();
-  constexpr int kChunks = kMmaTile * kMmaTile / kVec<T>;
   const bool whole_chunks = in.n_cols % kVec<T> == 0 && reinterpret_cast<uintptr_t>(weights) % 16 == 0;
-  for (int q = threadIdx.x; q < kChunks; q += kMmaThreads) {
-    const int row = q / (kMmaTile / kVec<T>);
-    const int col = q % (kMmaTile / kVec<T>) * kVec<T>;
-    const int64_t r = row0 + row;
-    const int64_t c = col0 + col;
-    if (r >= in.n_rows || c >= in.n_cols) continue;
-    const T* from = staged + row * kStride + col; // 16-byte aligned: kStride · sizeof(T) is a multiple of 16
-    T* to = weights + r * in.n_cols + c;
-    if (whole_chunks) {
-      *reinterpret_cast<Packed<T, kVec<T>>*>(to) = *reinterpret_cast<const Packed<T, kVec<T>>*>(from);
-    } else {
-      for (int v = 0; v < kVec<T> && c + v < in.n_cols; ++v) to[v] = from[v];
+  const auto store = [&](bool transposed, int64_t out_row0, int64_t out_col0, int64_t row_end, int64_t col_end) {
+    __syncthreads(); // every warp is done with the stages, or with the staged tile
+    tile.for_each([&](float w, int r, int c, int) {
+      staged[transposed ? c * kStride + r : r * kStride + c] = static_cast<T>(w);
+    });
+    __syncthreads();
+    constexpr int kChunks = kMmaTile * kMmaTile / kVec<T>;
+    for (int q = threadIdx.x; q < kChunks; q += kMmaThreads) {
+      const int row = q / (kMmaTile / kVec<T>);
+      const int col = q % (kMmaTile / kVec<T>) * kVec<T>;
+      const int64_t r = out_row0 + row;
+      const int64_t c = out_col0 + col;
+      if (r >= row_end || c >= col_end) continue;
+      const T* from = staged + row * kStride + col; // 16-byte aligned: kStride · sizeof(T) is a multiple of 16
+      T* to = weights + r * in.n_cols + c;
+      if (whole_chunks && c + kVec<T> <= col_end) {
+        *reinterpret_cast<Packed<T, kVec<T>>*>(to) = *reinterpret_cast<const Packed<T, kVec<T>>*>(from);
+      } else {
+        for (int v = 0; v < kVec<T> && c + v < col_end; ++v) to[v] = from[v];
+      }
     }
-  }
+  };
+  store(false, row0, col0, in.n_rows, in.n_cols);
+  // Row col0 + c of the strip is its column col0 + c.
+  if (symmetric && blockIdx.y > blockIdx.x && col0 < in.n_rows) store(true, col0, row0, in.n_rows, in.n_rows);
 }
 
 // Whether `kernel`, built on these tiles, can take these features: whole
