@@ -723,8 +723,9 @@ __device__ __forceinline__ void multiply_tile(
 // compare, where 64-bit labels take two. Labels that fit in 32 bits are
 // their own ids; a tile with one that does not numbers its labels apart
 // instead (each one's id is the first of the tile's 2·kMmaTile positions
-// that holds it). Past the ends: id 0, at no visited entry.
-struct TileLabels {
+// that holds it). Past the ends: id 0, at no visited entry. Aligned for
+// column_pair_anew's paired loads.
+struct alignas(8) TileLabels {
   int32_t row[kMmaTile];
   int32_t col[kMmaTile];
 
