@@ -220,6 +220,26 @@ def test_tensor_core_tiles_match_reference(batch, dim, dtype):
     assert_op_matches_reference(batch, dim, 13, dtype)
 
 
+# Rows in label order make most tiles all one set, which the loss pass
+# tells from the ranges of the tile's label ids and reduces without
+# comparing labels: all negative pairs, all positive ones (one class, and
+# runs longer than a tile), labels past 32 bits (ids by first position),
+# and descending ones.
+@pytest.mark.parametrize("order", ["3 classes", "one class", "wide labels", "descending"])
+@pytest.mark.parametrize("dtype", [BFLOAT16])
+@pytest.mark.sanitize
+def test_tensor_core_tiles_in_label_order(order, dtype):
+    features, labels = make_inputs(1300, 40, {"one class": 1}.get(order, 3), "cuda", dtype)
+    labels = labels.sort(descending=order == "descending").values
+    if order == "wide labels":
+        labels = labels * 2**32 - 5
+    x = features.clone().requires_grad_()
+    loss, grad = loss_and_grad(x, labels)
+    assert_matches_reference(loss, grad, features, labels)
+    with torch.no_grad():
+        assert torch.equal(torch.ops.circle.loss(features, labels), loss)
+
+
 @pytest.mark.parametrize("dtype", [FLOAT16, BFLOAT16])
 def test_tensor_core_tiles_unaligned_rows(dtype):
     features, labels = make_inputs(900, 64, 7, "cuda", dtype)

@@ -204,6 +204,22 @@ __device__ __forceinline__ void tile_entry_states(
   negative = natural_state(negative_max, negative_sum);
 }
 
+// tile_entry_states for a full tile off the diagonal whose every pair is
+// in the one set `state` (positive: kPositive): no compares, the same
+// terms in the same order, so the same bits.
+template <bool kPositive>
+__device__ __forceinline__ void tile_set_state(TileAccumulators& tile, const TileLogit& logit, LseState<float>& state) {
+  float max_u = -std::numeric_limits<float>::infinity();
+  tile.for_each([&](float& s, int, int, int) {
+    float twice_alpha;
+    s = logit(s, kPositive, &twice_alpha);
+    max_u = fast_nan_max(max_u, s);
+  });
+  float sum = 0.0f;
+  tile.for_each([&](float u, int, int, int) { sum += fast_exp2(u - max_u); });
+  state = natural_state(max_u, sum);
+}
+
 // partials[blockIdx] = (max_P, Σ_P, max_N, Σ_N) of one kMmaTile² tile of
 // rows · colsᵀ, formed on the tensor cores and reduced in registers: the
 // loss pass on the tensor cores, with S never in memory. Pairs count
@@ -217,6 +233,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
     float* __restrict__ partials) { // (tiles, 4)
   extern __shared__ __align__(128) unsigned char stages[];
   __shared__ float scratch[2 * kMmaThreads / 32];
+  __shared__ int32_t id_ranges[2 * kMmaThreads / 32];
   __shared__ TileLabels labels;
   int64_t ti, tj;
   tile_position(symmetric, tiles(in.n_rows), tiles(in.n_cols), &ti, &tj);
@@ -233,7 +250,16 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
   LseState<float> positive;
   LseState<float> negative;
   if (!diagonal && valid_rows == kMmaTile && valid_cols == kMmaTile) {
-    tile_entry_states<true>(tile, labels, tile_logit, valid_rows, valid_cols, diagonal, positive, negative);
+    switch (labels.sets(id_ranges)) {
+      case TileLabels::Sets::kNegativesOnly:
+        tile_set_state<false>(tile, tile_logit, negative);
+        break;
+      case TileLabels::Sets::kPositivesOnly:
+        tile_set_state<true>(tile, tile_logit, positive);
+        break;
+      default:
+        tile_entry_states<true>(tile, labels, tile_logit, valid_rows, valid_cols, diagonal, positive, negative);
+    }
   } else {
     tile_entry_states<false>(tile, labels, tile_logit, valid_rows, valid_cols, diagonal, positive, negative);
   }

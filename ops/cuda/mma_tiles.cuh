@@ -769,6 +769,41 @@ struct alignas(8) TileLabels {
     return row[row_in_tile] == col[col_in_tile];
   }
 
+  // Which sets a whole tile's pairs fall in, from the ranges of its ids: an
+  // exact test that rows taken in label order meet on most tiles. After
+  // settle(), every thread calls it; the CTA meets at one barrier. scratch:
+  // 2 · kMmaThreads / 32 ints of shared memory.
+  enum class Sets { kBoth, kPositivesOnly, kNegativesOnly };
+  __device__ __forceinline__ Sets sets(int32_t* scratch) const {
+    static_assert(kMmaTile % 32 == 0, "a warp's ids are all rows or all columns");
+    int32_t low = threadIdx.x < kMmaTile ? row[threadIdx.x] : col[threadIdx.x - kMmaTile];
+    int32_t high = low;
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      low = min(low, __shfl_xor_sync(0xffffffffu, low, offset));
+      high = max(high, __shfl_xor_sync(0xffffffffu, high, offset));
+    }
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) {
+      scratch[2 * warp] = low;
+      scratch[2 * warp + 1] = high;
+    }
+    __syncthreads();
+    constexpr int kRowWarps = kMmaTile / 32;
+    // [rows, columns][lowest, highest]
+    int32_t range[2][2] = {{scratch[0], scratch[1]}, {scratch[2 * kRowWarps], scratch[2 * kRowWarps + 1]}};
+    for (int w = 1; w < kRowWarps; ++w) {
+      for (int side = 0; side < 2; ++side) {
+        range[side][0] = min(range[side][0], scratch[2 * (side * kRowWarps + w)]);
+        range[side][1] = max(range[side][1], scratch[2 * (side * kRowWarps + w) + 1]);
+      }
+    }
+    if (range[0][1] < range[1][0] || range[1][1] < range[0][0]) return Sets::kNegativesOnly;
+    if (range[0][0] == range[0][1] && range[1][0] == range[1][1] && range[0][0] == range[1][0]) {
+      return Sets::kPositivesOnly;
+    }
+    return Sets::kBoth;
+  }
+
   // The ids of columns c and c + 1 (c even), read from shared memory anew:
   // a pass that compares labels again after an earlier one then costs an
   // instruction an entry, where the compiler would otherwise keep the
