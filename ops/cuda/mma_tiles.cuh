@@ -847,6 +847,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
   const int64_t row0 = blockIdx.x * static_cast<int64_t>(kMmaTile);
   const int64_t col0 = blockIdx.y * static_cast<int64_t>(kMmaTile);
   __shared__ TileLabels labels;
+  __shared__ int32_t id_ranges[2 * kMmaThreads / 32];
   __shared__ typename Rule::Shared shared_rule;
   TileAccumulators tile;
   bool labels_fit;
@@ -858,8 +859,20 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
   labels.settle(labels_fit, in, row0, col0, stages);
   // W in registers first, then to shared memory: with no store between them
   // the compiler reads each row's labels and values from shared memory once.
+  // A tile whose pairs are all in one set takes that set's W without a
+  // label compare an entry (TileLabels::sets; its ranges count the ids past
+  // the ends too, which only makes the test stricter).
   const auto weight = rule.at(shared_rule);
-  tile.for_each([&](float& s, int r, int c, int) { s = weight(s, labels.positive(r, c), r, c); });
+  switch (labels.sets(id_ranges)) {
+    case TileLabels::Sets::kNegativesOnly:
+      tile.for_each([&](float& s, int r, int c, int) { s = weight(s, false, r, c); });
+      break;
+    case TileLabels::Sets::kPositivesOnly:
+      tile.for_each([&](float& s, int r, int c, int) { s = weight(s, true, r, c); });
+      break;
+    default:
+      tile.for_each([&](float& s, int r, int c, int) { s = weight(s, labels.positive(r, c), r, c); });
+  }
   wait_for_prerequisites();
   // The tile, or its transpose, through shared memory to W's rows from
   // out_row0 and columns from out_col0, those before row_end and col_end.
