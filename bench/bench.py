@@ -10,7 +10,10 @@ the table gives each op's time in GEMM-equivalents: its time over the GEMM's,
 the two timed in alternating blocks, so that machine drift within the run
 cancels. That is the figure that says how near the op runs to the rate of the
 matrix product it cannot do without. "--classes B" draws B classes for a
-batch of B (almost every label distinct).
+batch of B (almost every label distinct). "--sorted-labels" puts the rows in
+label order, as a sampler that emits each class's rows together and the
+classes in order would: the tensor-core tiles then find most of their pairs
+in one set and skip the label compares.
 
 Prints a table (median times, speed-ups over eager, extra peak memory) and
 writes it as CSV, JSON and a PNG plot under --out. On CUDA it also measures a
@@ -70,11 +73,13 @@ def gemm(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 OPS = {"op": circle_op, "anchor": anchor_op}
 
 
-def make_inputs(batch, dim, classes, device, dtype):
+def make_inputs(batch, dim, classes, device, dtype, sorted_labels=False):
     """Random L2-normalised features and labels, in the argument order of the
-    tests' make_inputs (tests/conftest.py)."""
+    tests' make_inputs (tests/conftest.py); sorted_labels: labels ascending."""
     features = F.normalize(torch.randn(batch, dim, device=device), dim=1).to(dtype)
     labels = torch.randint(0, classes, (batch,), device=device)
+    if sorted_labels:
+        labels = labels.sort().values
     return features, labels
 
 
@@ -217,7 +222,7 @@ def run(args) -> list[dict]:
         with_memory = args.memory and spec == args.classes[0]
         for batch in args.sizes:
             classes = class_counts(spec, batch)
-            features, labels = make_inputs(batch, args.dim, classes, device, dtype)
+            features, labels = make_inputs(batch, args.dim, classes, device, dtype, args.sorted_labels)
             todo = [(name, fn, ("fwd", "fwd+bwd")) for name, fn in OPS.items()]
             if batch <= args.max_reference_batch:
                 todo += [(name, fn, ("fwd", "fwd+bwd")) for name, fn in references.items()]
@@ -399,6 +404,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
     parser.add_argument("--classes", nargs="+", default=["100"],
                         help="label distributions: class counts, or B for as many classes as rows")
+    parser.add_argument("--sorted-labels", action="store_true",
+                        help="rows in label order (results named *_sorted)")
     parser.add_argument("--no-memory", dest="memory", action="store_false",
                         help="skip the peak-memory measurements (on CPU, a fresh process each)")
     parser.add_argument("--max-reference-batch", type=int, default=32768,
@@ -428,7 +435,8 @@ def main() -> None:
     print(md)
     args.out.mkdir(parents=True, exist_ok=True)
     precision = "" if args.matmul_precision == "highest" else f"_{args.matmul_precision}"
-    stem = args.out / f"bench_{args.device}_{args.dtype}{precision}"
+    order = "_sorted" if args.sorted_labels else ""
+    stem = args.out / f"bench_{args.device}_{args.dtype}{precision}{order}"
     stem.with_suffix(".json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
