@@ -772,9 +772,11 @@ struct alignas(8) TileLabels {
   // Which sets a whole tile's pairs fall in, from the ranges of its ids: an
   // exact test that rows taken in label order meet on most tiles. After
   // settle(), every thread calls it; the CTA meets at one barrier. scratch:
-  // 2 · kMmaThreads / 32 ints of shared memory.
+  // 2 · kMmaThreads / 32 ints of shared memory. Without warpgroup products
+  // always kBoth: on mma.sync the kernels' extra entry loops would spill.
   enum class Sets { kBoth, kPositivesOnly, kNegativesOnly };
   __device__ __forceinline__ Sets sets(int32_t* scratch) const {
+#if defined(CIRCLE_LOSS_WARPGROUP_MMA)
     static_assert(kMmaTile % 32 == 0, "a warp's ids are all rows or all columns");
     int32_t low = threadIdx.x < kMmaTile ? row[threadIdx.x] : col[threadIdx.x - kMmaTile];
     int32_t high = low;
@@ -801,6 +803,7 @@ struct alignas(8) TileLabels {
     if (range[0][0] == range[0][1] && range[1][0] == range[1][1] && range[0][0] == range[1][0]) {
       return Sets::kPositivesOnly;
     }
+#endif
     return Sets::kBoth;
   }
 
