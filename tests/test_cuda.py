@@ -220,15 +220,17 @@ def test_tensor_core_tiles_match_reference(batch, dim, dtype):
     assert_op_matches_reference(batch, dim, 13, dtype)
 
 
-# Rows in label order make most tiles all one set, which the loss pass
-# tells from the ranges of the tile's label ids and reduces without
-# comparing labels: all negative pairs, all positive ones (one class, and
-# runs longer than a tile), labels past 32 bits (ids by first position),
-# and descending ones.
+# Rows in label order make most tiles all one set, which both ops' tiles
+# tell from the ranges of the tile's label ids and reduce without comparing
+# labels: all negative pairs, all positive ones (one class, and runs longer
+# than a tile), labels past 32 bits (ids by first position), and descending
+# ones.
 @pytest.mark.parametrize("order", ["3 classes", "one class", "wide labels", "descending"])
 @pytest.mark.parametrize("dtype", [BFLOAT16])
 @pytest.mark.sanitize
 def test_tensor_core_tiles_in_label_order(order, dtype):
+    from test_anchor_loss import assert_anchor_matches_reference
+
     features, labels = make_inputs(1300, 40, {"one class": 1}.get(order, 3), "cuda", dtype)
     labels = labels.sort(descending=order == "descending").values
     if order == "wide labels":
@@ -238,6 +240,7 @@ def test_tensor_core_tiles_in_label_order(order, dtype):
     assert_matches_reference(loss, grad, features, labels)
     with torch.no_grad():
         assert torch.equal(torch.ops.circle.loss(features, labels), loss)
+    assert_anchor_matches_reference(features, labels)
 
 
 @pytest.mark.parametrize("dtype", [FLOAT16, BFLOAT16])
