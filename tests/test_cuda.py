@@ -220,11 +220,11 @@ def test_tensor_core_tiles_match_reference(batch, dim, dtype):
     assert_op_matches_reference(batch, dim, 13, dtype)
 
 
-# Rows in label order make most tiles all one set, which both ops' tiles
-# tell from the ranges of the tile's label ids and reduce without comparing
-# labels: all negative pairs, all positive ones (one class, and runs longer
-# than a tile), labels past 32 bits (ids by first position), and descending
-# ones.
+# Rows in label order make most tiles all one set, which the loss pass and
+# both ops' weights pass tell from the ranges of the tile's label ids and
+# reduce without comparing labels: all negative pairs, all positive ones
+# (one class, and runs longer than a tile), labels past 32 bits (ids by
+# first position), and descending ones.
 @pytest.mark.parametrize("order", ["3 classes", "one class", "wide labels", "descending"])
 @pytest.mark.parametrize("dtype", [BFLOAT16])
 @pytest.mark.sanitize
