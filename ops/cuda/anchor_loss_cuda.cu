@@ -16,8 +16,9 @@
 // without a reference set, from the one entry s_ij), and cuBLAS multiplies:
 // dQ = W R and, where the references need a gradient, dR = Wᵀ Q (without a
 // reference set both go to Q, as in the global op's gradient pass).
-// float16/bfloat16 rows of whole 16-byte chunks (and float32 ones where TF32
-// is allowed) form S on the tensor cores (mma_tiles.cuh) and never write it:
+// float16/bfloat16 rows of whole 16-byte chunks, and float32 ones (in TF32
+// where it is allowed, else split into TF32 parts that keep float32's
+// accuracy), form S on the tensor cores (mma_tiles.cuh) and never write it:
 //   tile_states_kernel        the forward: each tile's row states and, without
 //                             a reference set, above the diagonal its column
 //                             states, written as partials;
@@ -688,11 +689,9 @@ class AnchorPasses {
         accumulation_(q.features.options().dtype(dtype_of<acc_t>())),
         largest_strip_(strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols) {
     if constexpr (kHasMmaTiles<scalar_t>) {
-      tensor_cores_ = mma_tiles_allowed<scalar_t>() &&
-          mma_tiles_apply<tile_weights_kernel<scalar_t, AnchorWeightRule>>(q.features) &&
-          mma_tiles_apply<tile_weights_kernel<scalar_t, AnchorWeightRule>>(r.features) &&
-          mma_tiles_apply<tile_states_kernel<scalar_t>>(q.features) &&
-          mma_tiles_apply<tile_states_kernel<scalar_t>>(r.features) && tiles(r.size()) <= kMaxGridY;
+      tensor_cores_ = tiles_take<scalar_t>(q.features) && tiles_take<scalar_t>(r.features) &&
+          mma_tiles_built<tile_weights_kernel<scalar_t, AnchorWeightRule>>() &&
+          mma_tiles_built<tile_states_kernel<scalar_t>>() && tiles(r.size()) <= kMaxGridY;
     }
   }
 
@@ -702,6 +701,7 @@ class AnchorPasses {
     at::Tensor states = at::empty({batch, PairStates<acc_t>::kValues}, accumulation_);
     acc_t* state = states.data_ptr<acc_t>();
     if (tensor_cores_) {
+      take_tile_features();
       reduce_on_tiles(state);
     } else {
       for (const Strip& strip : strips_) {
@@ -758,6 +758,7 @@ class AnchorPasses {
       return {grad_q, grad_r};
     }
     const std::vector<Strip> strips = gradient_strips();
+    if (tensor_cores_) take_tile_features();
     const at::Tensor weight_space =
         make_weight_space(strips.front().rows * strips.front().cols, /*over_similarities=*/!tensor_cores_);
     const auto write = [](bool accumulate, const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
@@ -852,11 +853,18 @@ class AnchorPasses {
     }
   }
 
+  // Q and R as the tensor-core kernels take them, for tile_operands; made
+  // by the passes that use them (a split of float32 features takes 4·D a
+  // row).
+  void take_tile_features() {
+    q_tiles_ = TileFeatures<scalar_t>(q_.features);
+    r_tiles_ = self_ ? q_tiles_ : TileFeatures<scalar_t>(r_.features);
+  }
+
   // The strip's two sides as the tensor-core kernels take them.
   TileOperands<scalar_t> tile_operands(const Strip& strip) const {
-    const int64_t dim = q_.dim();
-    return make_tile_operands(q_.features.data_ptr<scalar_t>() + strip.row0 * dim, row_labels(strip), strip.rows,
-                              r_.features.data_ptr<scalar_t>() + strip.col0 * dim, col_labels(strip), strip.cols, dim);
+    return make_tile_operands(q_tiles_.rows().from(strip.row0), row_labels(strip), strip.rows,
+                              r_tiles_.cols().from(strip.col0), col_labels(strip), strip.cols);
   }
 
   // The backward's strips. On the tensor cores a strip holds only W, in the
@@ -940,6 +948,8 @@ class AnchorPasses {
   at::TensorOptions accumulation_; // acc_t on the features' device
   int64_t largest_strip_; // entries
   bool tensor_cores_ = false; // the backward's W from tensor-core tiles (mma_tiles.cuh)
+  TileFeatures<scalar_t> q_tiles_; // take_tile_features()
+  TileFeatures<scalar_t> r_tiles_;
   at::Tensor workspace_; // (largest_strip_,) in acc_t, S's strips: see similarity_space
 };
 

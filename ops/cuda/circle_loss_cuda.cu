@@ -27,11 +27,13 @@
 // class's worth per row, are done afterwards within their classes with the
 // exact LSE_P (positive_band_kernel over the rows sorted by label). Where
 // cuBLAS may use TF32 for float32, its GEMMs outrun that SIMT kernel, and the
-// two passes of one strip are kept for any number of strips.
+// two passes of one strip are kept for any number of strips. These strips
+// are float64's path, and that of features the tiles below do not take.
 //
-// float16/bfloat16 batches whose rows are whole 16-byte chunks (and float32
-// ones where TF32 is allowed) form S on the tensor cores instead
-// (mma_tiles.cuh), in registers, and never write it:
+// float16/bfloat16 batches whose rows are whole 16-byte chunks, and float32
+// ones (in TF32 where it is allowed, else split into TF32 parts that keep
+// float32's accuracy), form S on the tensor cores instead (mma_tiles.cuh),
+// in registers, and never write it:
 //   tile_lse_kernel       the loss pass in one launch over every tile on and
 //                         above the diagonal, partials as strip_lse_kernel's.
 //   tile_weights_kernel   (mma_tiles.cuh, with GlobalWeightRule) the gradient
@@ -725,9 +727,14 @@ class StripPasses {
         sms_(multiprocessors()) {
     const int64_t largest = strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols;
     workspace_ = at::empty({largest}, rows.features.options().dtype(tensor_cores_ ? dtype_of<scalar_t>() : dtype_of<acc_t>()));
+    if (tensor_cores_) {
+      row_tiles_ = TileFeatures<scalar_t>(rows.features);
+      col_tiles_ = symmetric ? row_tiles_ : TileFeatures<scalar_t>(cols.features);
+    }
   }
 
   int64_t strip_count() const { return static_cast<int64_t>(strips_.size()); }
+  bool on_tensor_cores() const { return tensor_cores_; }
 
   // Loss pass: every CTA's LSE partials, (n, 4) in acc_t. Leaves the last
   // strip's S in the workspace.
@@ -846,9 +853,8 @@ class StripPasses {
   // Features the tensor-core kernels can take (mma_tiles.cuh).
   static bool use_tensor_cores(const KernelRows& rows, const KernelRows& cols) {
     if constexpr (kHasMmaTiles<scalar_t>) {
-      return mma_tiles_allowed<scalar_t>() && mma_tiles_apply<tile_lse_kernel<scalar_t>>(rows.features) &&
-          mma_tiles_apply<tile_lse_kernel<scalar_t>>(cols.features) &&
-          mma_tiles_apply<tile_weights_kernel<scalar_t, GlobalWeightRule>>(rows.features);
+      return tiles_take<scalar_t>(rows.features) && tiles_take<scalar_t>(cols.features) &&
+          mma_tiles_built<tile_lse_kernel<scalar_t>>() && mma_tiles_built<tile_weights_kernel<scalar_t, GlobalWeightRule>>();
     } else {
       return false;
     }
@@ -866,9 +872,8 @@ class StripPasses {
       if (tile_count > 0) {
         tile_lse_kernel<scalar_t><<<static_cast<unsigned>(tile_count), kMmaThreads, kMmaSharedBytes,
                                     c10::cuda::getCurrentCUDAStream()>>>(
-            make_tile_operands(rows_.features.data_ptr<scalar_t>(), rows_.labels.data_ptr<int64_t>(), rows_.size(),
-                               cols_.features.data_ptr<scalar_t>(), cols_.labels.data_ptr<int64_t>(), cols_.size(),
-                               rows_.dim()),
+            make_tile_operands(row_tiles_.rows(), rows_.labels.data_ptr<int64_t>(), rows_.size(), col_tiles_.cols(),
+                               cols_.labels.data_ptr<int64_t>(), cols_.size()),
             symmetric_, logit_, partials.data_ptr<float>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
@@ -887,10 +892,8 @@ class StripPasses {
       const dim3 grid(static_cast<unsigned>(tiles(strip.rows)), static_cast<unsigned>(tiles(strip.cols)));
       launch_kernel(after_products, tile_weights_kernel<scalar_t, GlobalWeightRule>, grid, dim3(kMmaThreads),
                     kMmaSharedBytes,
-                    make_tile_operands(rows_.features.data_ptr<scalar_t>() + strip.row0 * rows_.dim(),
-                                       row_labels(strip), strip.rows,
-                                       cols_.features.data_ptr<scalar_t>() + strip.col0 * cols_.dim(),
-                                       col_labels(strip), strip.cols, rows_.dim()),
+                    make_tile_operands(row_tiles_.rows().from(strip.row0), row_labels(strip), strip.rows,
+                                       col_tiles_.cols().from(strip.col0), col_labels(strip), strip.cols),
                     GlobalWeightRule{logit_, scalars}, symmetric_ && strip.col0 == strip.row0,
                     weights.data_ptr<scalar_t>());
     }
@@ -967,6 +970,8 @@ class StripPasses {
   bool symmetric_;
   PairLogit<acc_t> logit_;
   bool tensor_cores_; // S formed and consumed in registers (mma_tiles.cuh)
+  TileFeatures<scalar_t> row_tiles_; // with tensor_cores_, rows and cols as the tiles take them
+  TileFeatures<scalar_t> col_tiles_;
   std::vector<Strip> strips_;
   int sms_;
   at::Tensor workspace_; // (largest strip,): S in acc_t, or with tensor_cores_ the weights in scalar_t
@@ -1007,14 +1012,15 @@ std::tuple<at::Tensor, at::Tensor> loss_and_grad_cuda(
       loss_scalars(passes, features, loss);
       return;
     }
-    // float32/float64 over several strips form S once (loss_and_gradient):
-    // that costs less than a second pass. On the tensor cores the second
-    // pass costs less than the positive band, and so it does for float32
-    // where TF32 is allowed but rows are not whole 16-byte chunks (cuBLAS's
-    // TF32 GEMMs run about six times as fast as float32's, the band kernel
-    // not at all faster).
+    // float32/float64 strips of S from cuBLAS, several of them, form S once
+    // (loss_and_gradient): that costs less than a second pass. On the tensor
+    // cores the second pass costs less than the positive band, and so it
+    // does for float32 where TF32 is allowed but rows are not whole 16-byte
+    // chunks (cuBLAS's TF32 GEMMs run about six times as fast as float32's,
+    // the band kernel not at all faster).
     const bool tf32 = std::is_same_v<scalar_t, float> && cublas_may_use_tf32();
-    const bool one_pass = std::is_same_v<scalar_t, at::opmath_type<scalar_t>> && passes.strip_count() > 1 && !tf32;
+    const bool one_pass = std::is_same_v<scalar_t, at::opmath_type<scalar_t>> && passes.strip_count() > 1 &&
+        !passes.on_tensor_cores() && !tf32;
     const at::Tensor grad_acc =
         one_pass ? passes.loss_and_gradient(loss) : passes.gradient(loss_scalars(passes, features, loss));
     grad = grad_acc.to(features.scalar_type());
