@@ -147,13 +147,13 @@ __device__ __forceinline__ void tile_position(bool symmetric, int64_t row_tiles,
 }
 
 // The thread's (max, Σ) of both sets over its entries of a tile, which hold
-// S on entry and their logits in units of 1/log2(e) on exit; each entry's
+// S on entry and their logits in Units on exit; each entry's
 // sum term is weighted by its multiplicity relative to an off-diagonal pair
 // (1; 1/2 on a symmetric product's diagonal, 0 below it or past the end).
 // kEveryEntry: a full tile off the diagonal, where every entry has weight 1
 // and none is tested. The maxima come first, then the sums at them: one ex2
 // an entry, no branch.
-template <bool kEveryEntry>
+template <bool kEveryEntry, typename Units>
 __device__ __forceinline__ void tile_entry_states(
     TileAccumulators& tile,
     const TileLabels& labels,
@@ -195,21 +195,21 @@ __device__ __forceinline__ void tile_entry_states(
     const float weight = weight_of(r, c);
     if (weight == 0.0f) return;
     const bool in_positive = labels.row[r] == (k % 2 == 0 ? column_ids.x : column_ids.y);
-    const float term = weight * fast_exp2(u - (in_positive ? positive_max : negative_max));
+    const float term = weight * Units::term(u, in_positive ? positive_max : negative_max);
     if (in_positive) {
       positive_sum += term;
     } else {
       negative_sum += term;
     }
   });
-  positive = natural_state(positive_max, positive_sum);
-  negative = natural_state(negative_max, negative_sum);
+  positive = Units::state(positive_max, positive_sum);
+  negative = Units::state(negative_max, negative_sum);
 }
 
 // tile_entry_states for a full tile off the diagonal whose every pair is
 // in the one set `state` (positive: kPositive): no compares, the same
 // terms in the same order, so the same bits.
-template <bool kPositive>
+template <bool kPositive, typename Units>
 __device__ __forceinline__ void tile_set_state(TileAccumulators& tile, const TileLogit& logit, LseState<float>& state) {
   float max_u = -std::numeric_limits<float>::infinity();
   tile.for_each([&](float& s, int, int, int) {
@@ -218,8 +218,8 @@ __device__ __forceinline__ void tile_set_state(TileAccumulators& tile, const Til
     max_u = fast_nan_max(max_u, s);
   });
   float sum = 0.0f;
-  tile.for_each([&](float u, int, int, int) { sum += fast_exp2(u - max_u); });
-  state = natural_state(max_u, sum);
+  tile.for_each([&](float u, int, int, int) { sum += Units::term(u, max_u); });
+  state = Units::state(max_u, sum);
 }
 
 // partials[blockIdx] = (max_P, Σ_P, max_N, Σ_N) of one kMmaTile² tile of
@@ -248,22 +248,23 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
   const int valid_rows = static_cast<int>(in.n_rows - row0 < kMmaTile ? in.n_rows - row0 : kMmaTile);
   const int valid_cols = static_cast<int>(in.n_cols - col0 < kMmaTile ? in.n_cols - col0 : kMmaTile);
   const bool diagonal = symmetric && ti == tj;
-  const TileLogit tile_logit(logit, kLog2e);
+  using Units = TileUnits<T>;
+  const TileLogit tile_logit(logit, Units::kScale);
   LseState<float> positive;
   LseState<float> negative;
   if (!diagonal && valid_rows == kMmaTile && valid_cols == kMmaTile) {
     switch (labels.sets(id_ranges)) {
       case TileLabels::Sets::kNegativesOnly:
-        tile_set_state<false>(tile, tile_logit, negative);
+        tile_set_state<false, Units>(tile, tile_logit, negative);
         break;
       case TileLabels::Sets::kPositivesOnly:
-        tile_set_state<true>(tile, tile_logit, positive);
+        tile_set_state<true, Units>(tile, tile_logit, positive);
         break;
       default:
-        tile_entry_states<true>(tile, labels, tile_logit, valid_rows, valid_cols, diagonal, positive, negative);
+        tile_entry_states<true, Units>(tile, labels, tile_logit, valid_rows, valid_cols, diagonal, positive, negative);
     }
   } else {
-    tile_entry_states<false>(tile, labels, tile_logit, valid_rows, valid_cols, diagonal, positive, negative);
+    tile_entry_states<false, Units>(tile, labels, tile_logit, valid_rows, valid_cols, diagonal, positive, negative);
   }
   block_fold<kMmaThreads>(positive, negative, scratch);
   if (threadIdx.x == 0) {
@@ -275,35 +276,36 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
 }
 
 // tile_weights_kernel's rule for the global form: W = 2σ(Z)·exp(z - LSE of
-// its set)·dz/ds, from the loss's scalars.
+// its set)·dz/ds, from the loss's scalars, logits in Units (TileUnits).
+template <typename Units>
 struct GlobalWeightRule {
   PairLogit<float> logit;
   const double* scalars; // (LSE_P, LSE_N, loss, 2σ(Z))
 
   struct Shared {
-    float lse[2]; // (LSE_P, LSE_N), times -log2(e): exp(z - LSE) = 2^(z·log2(e) + this)
+    WeightOffset offset[2]; // of (LSE_P, LSE_N)
     float scale; // 2σ(Z)
   };
 
   __device__ __forceinline__ void load(Shared& shared, int64_t, int64_t) const {
     if (threadIdx.x != 0) return;
     const LossScalars loss = LossScalars::load(scalars);
-    shared.lse[0] = -static_cast<float>(loss.lse_positive) * kLog2e;
-    shared.lse[1] = -static_cast<float>(loss.lse_negative) * kLog2e;
+    shared.offset[0] = Units::offset(loss.lse_positive);
+    shared.offset[1] = Units::offset(loss.lse_negative);
     shared.scale = static_cast<float>(loss.grad_scale);
   }
 
   __device__ __forceinline__ auto at(const Shared& shared) const {
-    const TileLogit tile_logit(logit, kLog2e);
-    const float positive_offset = shared.lse[0];
-    const float negative_offset = shared.lse[1];
+    const TileLogit tile_logit(logit, Units::kScale);
+    const WeightOffset positive_offset = shared.offset[0];
+    const WeightOffset negative_offset = shared.offset[1];
     // 2σ(Z) times the slope's factor ∓γ/2 of twice_alpha.
     const float positive_factor = -0.5f * shared.scale * logit.gamma;
     const float negative_factor = 0.5f * shared.scale * logit.gamma;
     return [=](float s, bool positive, int, int) {
       float twice_alpha;
       const float u = tile_logit(s, positive, &twice_alpha);
-      const float w = twice_alpha * fast_exp2(u + (positive ? positive_offset : negative_offset));
+      const float w = twice_alpha * Units::weight_term(u, positive ? positive_offset : negative_offset);
       return w * (positive ? positive_factor : negative_factor);
     };
   }
@@ -854,7 +856,7 @@ class StripPasses {
   static bool use_tensor_cores(const KernelRows& rows, const KernelRows& cols) {
     if constexpr (kHasMmaTiles<scalar_t>) {
       return tiles_take<scalar_t>(rows.features) && tiles_take<scalar_t>(cols.features) &&
-          mma_tiles_built<tile_lse_kernel<scalar_t>>() && mma_tiles_built<tile_weights_kernel<scalar_t, GlobalWeightRule>>();
+          mma_tiles_built<tile_lse_kernel<scalar_t>>() && mma_tiles_built<tile_weights_kernel<scalar_t, GlobalWeightRule<TileUnits<scalar_t>>>>();
     } else {
       return false;
     }
@@ -890,11 +892,11 @@ class StripPasses {
       // x over the strip's rows of tiles, the fastest: the CTAs resident at
       // once share their columns' operand tiles through L2.
       const dim3 grid(static_cast<unsigned>(tiles(strip.rows)), static_cast<unsigned>(tiles(strip.cols)));
-      launch_kernel(after_products, tile_weights_kernel<scalar_t, GlobalWeightRule>, grid, dim3(kMmaThreads),
+      launch_kernel(after_products, tile_weights_kernel<scalar_t, GlobalWeightRule<TileUnits<scalar_t>>>, grid, dim3(kMmaThreads),
                     kMmaSharedBytes,
                     make_tile_operands(row_tiles_.rows().from(strip.row0), row_labels(strip), strip.rows,
                                        col_tiles_.cols().from(strip.col0), col_labels(strip), strip.cols),
-                    GlobalWeightRule{logit_, scalars}, symmetric_ && strip.col0 == strip.row0,
+                    GlobalWeightRule<TileUnits<scalar_t>>{logit_, scalars}, symmetric_ && strip.col0 == strip.row0,
                     weights.data_ptr<scalar_t>());
     }
     return weights;

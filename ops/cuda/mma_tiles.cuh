@@ -165,21 +165,75 @@ struct TileLogit {
   }
 };
 
-// A set's terms in log2 units are 2^(u - max u): 1 within rounding at the
-// maximum, one subtraction and one ex2 an entry. What the two ends need:
-//   exponent_base: the max u the terms take, 0 for a set that has no pair
-//     (max -inf), whose entries are then -inf, no pairs, and take 0 rather
-//     than 2^(-inf + inf) = NaN;
-//   natural_state: the set's (max, Σ) in natural units; an infinite maximum,
-//     whose terms were NaN, gets the sum 1 instead: the same infinite LSE.
+// exp(z - base) as a tile epilogue's terms take it, from u = z·scale: 1
+// within rounding at the maximum. exponent_base: the max u the terms take,
+// 0 for a set that has no pair (max -inf), whose entries are then -inf, no
+// pairs, and take 0 rather than 2^(-inf + inf) = NaN.
 __device__ __forceinline__ float exponent_base(float max_u) {
   return max_u == -std::numeric_limits<float>::infinity() ? 0.0f : max_u;
 }
 
-__device__ __forceinline__ LseState<float> natural_state(float max_u, float sum) {
-  constexpr float kLn2 = 1.0f / kLog2e;
-  return {max_u * kLn2, max_u == std::numeric_limits<float>::infinity() ? 1.0f : sum};
-}
+// The units the tile epilogues carry logits in, by the features' dtype
+// (TileUnits<T>):
+//   Log2Units (float16, bfloat16): u = z·log2(e), folded into the logit's
+//     constants, so that a term is one subtraction and one ex2;
+//   NaturalUnits (float32): u = z, a term one subtraction, one multiply and
+//     one ex2. At gamma = 256 logits and LSEs of several hundred are common;
+//     log2 units resolve them half as finely, and the LSE against which the
+//     backward takes a set's weights shifts them all alike, which the
+//     gradient, whose sets' parts largely cancel, amplifies past float32's
+//     tolerance (bench/NOTES.md). float16/bfloat16 inputs resolve far less.
+// Each gives
+//   kScale                u = z·kScale (TileLogit's unit);
+//   term(u, base)         exp(z - base), base from exponent_base;
+//   state(max_u, sum)     the set's (max, Σ) in natural units; an infinite
+//                         maximum, whose terms were NaN, gets the sum 1
+//                         instead: the same infinite LSE;
+//   offset(lse)           -LSE as weight_term takes it, a pair (hi, lo =
+//                         what hi leaves of -LSE) where the LSE is known
+//                         past float32 (the global form's, in float64):
+//                         z - LSE is then exact near the set's maximum;
+//   weight_term(u, o)     exp(z - LSE) for o = offset(LSE), or for o =
+//                         offset(LSE).hi of a float LSE: the backward's.
+struct WeightOffset {
+  float hi;
+  float lo;
+};
+
+struct Log2Units {
+  static constexpr float kScale = kLog2e;
+  __device__ __forceinline__ static float term(float u, float base) { return fast_exp2(u - base); }
+  __device__ __forceinline__ static LseState<float> state(float max_u, float sum) {
+    constexpr float kLn2 = 1.0f / kLog2e;
+    return {max_u * kLn2, max_u == std::numeric_limits<float>::infinity() ? 1.0f : sum};
+  }
+  template <typename Lse>
+  __device__ __forceinline__ static WeightOffset offset(Lse lse) {
+    return {-static_cast<float>(lse) * kLog2e, 0.0f};
+  }
+  __device__ __forceinline__ static float weight_term(float u, WeightOffset offset) { return fast_exp2(u + offset.hi); }
+  __device__ __forceinline__ static float weight_term(float u, float offset) { return fast_exp2(u + offset); }
+};
+
+struct NaturalUnits {
+  static constexpr float kScale = 1.0f;
+  __device__ __forceinline__ static float term(float u, float base) { return fast_exp2((u - base) * kLog2e); }
+  __device__ __forceinline__ static LseState<float> state(float max_u, float sum) {
+    return {max_u, max_u == std::numeric_limits<float>::infinity() ? 1.0f : sum};
+  }
+  template <typename Lse>
+  __device__ __forceinline__ static WeightOffset offset(Lse lse) {
+    const float hi = -static_cast<float>(lse);
+    return {hi, static_cast<float>(-lse - static_cast<Lse>(hi))};
+  }
+  __device__ __forceinline__ static float weight_term(float u, WeightOffset offset) {
+    return fast_exp2(((u + offset.hi) + offset.lo) * kLog2e);
+  }
+  __device__ __forceinline__ static float weight_term(float u, float offset) { return fast_exp2((u + offset) * kLog2e); }
+};
+
+template <typename T>
+using TileUnits = std::conditional_t<std::is_same_v<T, float>, NaturalUnits, Log2Units>;
 
 // One side of a product rows · colsᵀ as the tiles read it: dim features a
 // row, rows stride elements apart.
