@@ -1,5 +1,6 @@
-"""CPU: the tile pipeline's float32 arithmetic on an S rounded to float32 (from float64), log2 units against natural
-units, for the failing draw and others; G = (W + Wᵀ)·F in float32 as cuBLAS would."""
+"""CPU: the tile pipeline's float32 arithmetic, log2 units against natural units, for the failing draw of
+test_float32_split_tiles_match_reference and others, on S rounded once from float64 and on S from the 3xTF32 split
+(float32 GEMMs of the parts); G = (W + Wᵀ)·F in float32 as cuBLAS would."""
 import math, sys, torch
 sys.path.insert(0, "tests")
 from conftest import make_inputs
@@ -13,8 +14,22 @@ def c32(v):
     return torch.tensor(v, dtype=F32)
 
 
-def run(f64, y, units):
-    s = (f64 @ f64.T).to(F32)
+def tf32_round(x):
+    bits = x.view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def similarities(f64, split):
+    if not split:
+        return (f64 @ f64.T).to(F32)
+    f = f64.to(F32)
+    big = tf32_round(f)
+    small = tf32_round(f - big)
+    return (small @ big.T + big @ small.T) + big @ big.T
+
+
+def run(f64, y, units, split=False):
+    s = similarities(f64, split)
     pos = y[:, None] == y[None, :]
     unit = LOG2E if units == "log2" else 1.0
     shg, sm, s1m = c32(0.5 * g * unit), c32(0.5 * g * unit * m), c32(0.5 * g * unit * (1 - m))
@@ -53,6 +68,8 @@ for seed, (B, D, C) in ((14458026552316430665, (4500, 30, 2)), (2, (4500, 30, 2)
     f, y = make_inputs(B, D, C, "cpu", torch.float64)
     ref_loss, ref_grad = reference_loss_and_grad(f, y)
     _, g32 = reference_loss_and_grad(f.float(), y, dtype=torch.float32)
-    gl = run(f, y, "log2"); gn = run(f, y, "natural")
-    print(f"seed {seed} {B},{D},{C}: plain f32 {relative_error(g32, ref_grad):.1e} | log2 units {relative_error(gl, ref_grad):.1e} "
-          f"| natural units {relative_error(gn, ref_grad):.1e}", flush=True)
+    cells = []
+    for split in (False, True):
+        for units in ("log2", "natural"):
+            cells.append(f"{'split S' if split else 'S'}, {units} {relative_error(run(f, y, units, split), ref_grad):.1e}")
+    print(f"seed {seed} {B},{D},{C}: plain f32 {relative_error(g32, ref_grad):.1e} | " + " | ".join(cells), flush=True)
