@@ -143,12 +143,33 @@ def test_several_strips_match_reference(dtype):
 
 # The positive pairs' kernel loads rows 16 bytes at a time where every row
 # starts on a 16-byte boundary and holds whole 16-byte runs, one value at a
-# time elsewhere (here rows of 120 and 248 bytes); two classes give each
-# block of rows a span that several CTAs share.
-@pytest.mark.parametrize("dim,dtype", [(30, torch.float32), (31, torch.float64)])
+# time elsewhere (here rows of 248 bytes); two classes give each block of
+# rows a span that several CTAs share.
 @pytest.mark.sanitize
-def test_several_strips_rows_of_partial_runs(dim, dtype):
-    assert_op_matches_reference(4500, dim, 2, dtype)
+def test_several_strips_rows_of_partial_runs():
+    assert_op_matches_reference(4500, 31, 2, torch.float64)
+
+
+# float32 at the default precision takes the tensor-core tiles too, each
+# feature split into two TF32 parts (TileFeatures in ops/cuda/mma_tiles.cuh),
+# and is held to float32's tolerance at gamma = 256, which TF32 products
+# alone miss by far (test_several_strips_with_tf32 below). The split pads
+# its rows to whole 16-byte chunks, so widths that are no multiple of 4
+# (30, 61) and rows that start off a 16-byte boundary (offset) take the
+# tiles as well; 4500 rows: two strips of W; two classes: many positive pairs.
+@pytest.mark.parametrize("batch,dim,classes,offset", [(600, 8, 13, 0), (1027, 200, 13, 0), (4500, 30, 2, 0),
+                                                      (900, 61, 7, 1), (4500, 24, 60, 1)])
+@pytest.mark.sanitize
+def test_float32_split_tiles_match_reference(batch, dim, classes, offset):
+    from test_anchor_loss import assert_anchor_matches_reference
+
+    features, labels = make_inputs(batch, dim, classes, "cuda")
+    storage = torch.zeros(features.numel() + offset, device="cuda")
+    x = storage[offset:].view_as(features)
+    x.copy_(features)
+    loss, grad = loss_and_grad(x.requires_grad_(), labels)
+    assert_matches_reference(loss, grad, features, labels)
+    assert_anchor_matches_reference(x.detach(), labels)
 
 
 # With TF32 allowed, float32 products keep 10 bits of their inputs, so S is
@@ -329,15 +350,16 @@ def test_several_strips_edge_cases(layout, dtype):
         assert_matches_reference(loss, grad, features, labels)
 
 
-# circle::anchor_loss: strips of S too, with per-row states. Without a
-# reference set B = 4500 gives 2 strips (3 in float64; S from each strip's
-# first row on, the mirrored pairs reduced by column); against M = 140 000
-# references a strip holds 128 of the 300 rows. The float16/bfloat16 forward
-# keeps only its tensor-core tiles' partial states, in strips of at most
-# 64 Mi entries of S: B = 9000 takes two, 1000 rows against M = 140 000 three;
-# their backward holds W in strips of 2048 rows cut into column chunks
-# where the whole width would leave fewer than 1024: B = 33 000 (as for
-# circle::loss above) and 1000 rows against M = 140 000, one strip of five.
+# circle::anchor_loss over several strips. float64 forms S in cuBLAS's
+# strips, with per-row states: without a reference set B = 4500 gives 3 (S
+# from each strip's first row on, the mirrored pairs reduced by column);
+# against M = 140 000 references a strip holds 128 of the 300 rows. The other
+# dtypes' forward on the tensor-core tiles keeps only their partial states,
+# in strips of at most 64 Mi entries of S: B = 9000 takes two, 1000 rows
+# against M = 140 000 three; their backward holds W in strips of 2048 rows cut
+# into column chunks where the whole width would leave fewer than 1024 (B >
+# 16 384 in float32, 32 768 in float16/bfloat16): B = 33 000 (as for
+# circle::loss above) and 1000 rows against M = 140 000, one strip of several.
 def anchor_loss_and_grads(features, labels, ref=None, ref_labels=None):
     losses = torch.ops.circle.anchor_loss(features, labels, ref, ref_labels)
     weights = torch.linspace(0.5, 1.5, losses.numel(), device=losses.device, dtype=losses.dtype)
@@ -345,7 +367,7 @@ def anchor_loss_and_grads(features, labels, ref=None, ref_labels=None):
     return (losses, *torch.autograd.grad((losses * weights).sum(), inputs))
 
 
-SEVERAL_STRIPS = [  # (B, M or None, whether only float16/bfloat16 need the case)
+SEVERAL_STRIPS = [  # (B, M or None, whether only the tiles' dtypes need the case)
     pytest.param(4500, None, False, marks=pytest.mark.sanitize, id="self"),
     pytest.param(300, 140_000, False, marks=pytest.mark.sanitize, id="reference"),
     pytest.param(9000, None, True, id="self, tile strips"),
@@ -359,8 +381,8 @@ SEVERAL_STRIPS = [  # (B, M or None, whether only float16/bfloat16 need the case
 def test_anchor_loss_over_several_strips(dtype, batch, refs, tile_strips):
     from test_anchor_loss import assert_anchor_matches_reference, memory_bank
 
-    if tile_strips and dtype.itemsize > 2:
-        pytest.skip("only float16/bfloat16 take the tile strips")
+    if tile_strips and dtype == torch.float64:
+        pytest.skip("float64 takes no tiles")
     features, labels = make_inputs(batch, 24, 60 if refs is None else 4, "cuda", dtype)
     if refs is None:
         assert_anchor_matches_reference(features, labels, weights=torch.rand(batch, device="cuda", dtype=dtype))
@@ -371,7 +393,7 @@ def test_anchor_loss_over_several_strips(dtype, batch, refs, tile_strips):
         assert_anchor_matches_reference(features, labels, ref, ref_labels, ref_self_index=position)
 
 
-# anchor_loss with TF32 allowed takes the tensor-core tiles too (D = 30:
+# anchor_loss with TF32 allowed multiplies float32 in TF32 on the tiles (D = 30:
 # cuBLAS's strips), held to TF32's accuracy at a moderate gamma.
 @pytest.mark.parametrize("batch,dim,refs", [(4500, 24, None), (4500, 30, None), (1000, 24, 140_000)])
 def test_anchor_loss_with_tf32(batch, dim, refs, monkeypatch):
@@ -389,11 +411,13 @@ def test_anchor_loss_with_tf32(batch, dim, refs, monkeypatch):
         assert relative_error(grad_r, ref_r) <= 5e-2
 
 
-# (B, M or None, whether the references need a gradient, dtype): float32 on
-# cuBLAS's strips, bfloat16 on the tensor-core tiles.
-ANCHOR_CASES = {"small": (200, None, False, torch.float32), "self strips": (4500, None, False, torch.float32),
-                "reference strips": (300, 140_000, True, torch.float32),
+# (B, M or None, whether the references need a gradient, dtype): cuBLAS's
+# strips for float64 and against a bank (references that need no gradient),
+# the tensor-core tiles otherwise, float32 split into TF32 parts.
+ANCHOR_CASES = {"small": (200, None, False, torch.float32), "self strips": (4500, None, False, torch.float64),
+                "reference strips": (300, 140_000, True, torch.float64),
                 "bank strips": (300, 140_000, False, torch.float32),
+                "self split tiles": (4500, None, False, torch.float32),
                 "self tiles": (9000, None, False, torch.bfloat16),
                 "reference tiles": (1000, 140_000, True, torch.bfloat16)}
 

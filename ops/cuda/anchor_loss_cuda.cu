@@ -16,8 +16,9 @@
 // without a reference set, from the one entry s_ij), and cuBLAS multiplies:
 // dQ = W R and, where the references need a gradient, dR = Wᵀ Q (without a
 // reference set both go to Q, as in the global op's gradient pass).
-// float16/bfloat16 rows of whole 16-byte chunks (and float32 ones where TF32
-// is allowed) form S on the tensor cores (mma_tiles.cuh) and never write it:
+// float16/bfloat16 rows of whole 16-byte chunks, and float32 ones (in TF32
+// where it is allowed, else split into TF32 parts that keep float32's
+// accuracy), form S on the tensor cores (mma_tiles.cuh) and never write it:
 //   tile_states_kernel        the forward: each tile's row states and, without
 //                             a reference set, above the diagonal its column
 //                             states, written as partials;
@@ -328,9 +329,9 @@ __global__ void __launch_bounds__(kThreads) weights_kernel(
 
 // tile_weights_kernel's rule for the per-anchor form: weights_kernel's W,
 // from the coefficients of the tile's rows (and, without a reference set,
-// of its columns), held in shared memory as (-LSE_P·log2(e), -LSE_N·log2(e),
-// factor) so that each term, from a logit in log2 units, is one add and one
-// ex2.
+// of its columns), held in shared memory as (-LSE_P, -LSE_N, factor) in
+// Units (TileUnits) so that each term is Units::weight_term of a logit.
+template <typename Units>
 struct AnchorWeightRule {
   PairLogit<float> logit;
   const float* row_coefficients; // (n_rows, 3): the strip's rows
@@ -341,7 +342,7 @@ struct AnchorWeightRule {
   const int64_t* left_out; // (n_rows,): with a reference set, each row's left-out column of it; or null
 
   struct Shared {
-    float4 row[kMmaTile]; // (-LSE_P·log2(e), -LSE_N·log2(e), factor, unused); factor 0 past the end
+    float4 row[kMmaTile]; // (-LSE_P, -LSE_N in Units, factor, unused); factor 0 past the end
     float4 col[kMmaTile]; // the same for the columns; factor 0 with a reference set
     int skipped[kMmaTile]; // the column of the tile with each row's pair in no set, or -1
   };
@@ -350,12 +351,13 @@ struct AnchorWeightRule {
   __device__ __forceinline__ static float4 scaled(const float* records, int64_t index, bool inside) {
     if (!inside) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     const RowCoefficients<float> c = RowCoefficients<float>::at(records, index);
-    return make_float4(-c.lse[0] * kLog2e, -c.lse[1] * kLog2e, c.factor, 0.0f);
+    return make_float4(Units::offset(c.lse[0]).hi, Units::offset(c.lse[1]).hi, c.factor, 0.0f);
   }
 
-  // factor·exp(z - LSE of the set) for one side's coefficients, u = z·log2(e).
+  // factor·exp(z - LSE of the set) for one side's coefficients, u = z in
+  // Units.
   __device__ __forceinline__ static float term(const float4& c, float u, bool positive) {
-    return c.z == 0.0f ? 0.0f : c.z * fast_exp2(u + (positive ? c.x : c.y));
+    return c.z == 0.0f ? 0.0f : c.z * Units::weight_term(u, positive ? c.x : c.y);
   }
 
   __device__ __forceinline__ void load(Shared& shared, int64_t row0, int64_t col0) const {
@@ -374,7 +376,7 @@ struct AnchorWeightRule {
   }
 
   __device__ __forceinline__ auto at(const Shared& shared) const {
-    const TileLogit tile_logit(logit, kLog2e);
+    const TileLogit tile_logit(logit, Units::kScale);
     const float half_gamma = 0.5f * logit.gamma; // the slope is ∓half_gamma·twice_alpha
     return [&shared, tile_logit, half_gamma](float s, bool positive, int r, int c) {
       float twice_alpha;
@@ -394,7 +396,7 @@ constexpr int64_t kMaxGridY = 65535;
 // rows, as PairStates records.
 struct TileStatesScratch {
   static constexpr int kStride = kMmaTile + 8; // padded rows: a warp's paired stores fall in distinct banks
-  float logits[kMmaTile * kStride]; // in units of 1/log2(e); -inf where an entry is no pair
+  float logits[kMmaTile * kStride]; // in TileUnits; -inf where an entry is no pair
   float row_states[TileAccumulators::kWarpsPerRow * kMmaTile * PairStates<float>::kValues];
   float col_states[kMmaTile * PairStates<float>::kValues]; // the tile's lower half of rows
 };
@@ -409,11 +411,11 @@ struct TilePairs {
 };
 
 // The row states of a tile whose entries hold S on entry and, on exit, their
-// logits in units of 1/log2(e) (-inf where they are no pair): each warp's
+// logits in Units (-inf where they are no pair): each warp's
 // (max, Σ exp(z - max)) of both sets over its share of each row, in
 // scratch.row_states[row_warp()][row]. kEveryEntry: every entry is a pair,
 // and none is tested.
-template <bool kEveryEntry>
+template <bool kEveryEntry, typename Units>
 __device__ __forceinline__ void tile_row_states(
     TileAccumulators& tile,
     const TileLabels& labels,
@@ -473,7 +475,7 @@ __device__ __forceinline__ void tile_row_states(
     if (k % 4 == 0) column_ids = labels.column_pair_anew(c); // the fragment's columns c and c + 1
     const int slot = TileAccumulators::row_slot(k);
     const bool in_positive = labels.row[r] == (k % 2 == 0 ? column_ids.x : column_ids.y);
-    const float term = fast_exp2(u - (in_positive ? positive_base[slot] : negative_base[slot]));
+    const float term = Units::term(u, in_positive ? positive_base[slot] : negative_base[slot]);
     if (in_positive) {
       positive_sum[slot] += term;
     } else {
@@ -488,8 +490,8 @@ __device__ __forceinline__ void tile_row_states(
       negative_sum[slot] += __shfl_xor_sync(0xffffffffu, negative_sum[slot], lanes);
     }
     if (threadIdx.x % 4 == 0) {
-      PairStates<float>{natural_state(positive_max[slot], positive_sum[slot]),
-                        natural_state(negative_max[slot], negative_sum[slot])}
+      PairStates<float>{Units::state(positive_max[slot], positive_sum[slot]),
+                        Units::state(negative_max[slot], negative_sum[slot])}
           .store_at(scratch.row_states, TileAccumulators::row_warp() * kMmaTile + TileAccumulators::slot_row(slot));
     }
   }
@@ -541,11 +543,12 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
   TileStatesScratch& scratch = *stage_memory<TileStatesScratch>(stages);
   const bool every_entry = pairs.valid_rows == kMmaTile && pairs.valid_cols == kMmaTile && !(self && ti == tj) &&
       left_out == nullptr;
-  const TileLogit tile_logit(logit, kLog2e);
+  using Units = TileUnits<T>;
+  const TileLogit tile_logit(logit, Units::kScale);
   if (every_entry) {
-    tile_row_states<true>(tile, labels, pairs, tile_logit, scratch);
+    tile_row_states<true, Units>(tile, labels, pairs, tile_logit, scratch);
   } else {
-    tile_row_states<false>(tile, labels, pairs, tile_logit, scratch);
+    tile_row_states<false, Units>(tile, labels, pairs, tile_logit, scratch);
   }
   const bool columns = self && tj > ti;
   if (columns) {
@@ -602,11 +605,11 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
 #pragma unroll 8
   for (int r = 0; r < kHalf; ++r) {
     const bool in_positive = (positives >> r & 1u) != 0u;
-    const float term = fast_exp2(logits[r * TileStatesScratch::kStride] - (in_positive ? positive_base : negative_base));
+    const float term = Units::term(logits[r * TileStatesScratch::kStride], in_positive ? positive_base : negative_base);
     positive_sum += in_positive ? term : 0.0f;
     negative_sum += in_positive ? 0.0f : term;
   }
-  PairStates<float> state{natural_state(positive_max, positive_sum), natural_state(negative_max, negative_sum)};
+  PairStates<float> state{Units::state(positive_max, positive_sum), Units::state(negative_max, negative_sum)};
   if (first != 0) state.store_at(scratch.col_states, c);
   __syncthreads();
   if (first == 0 && col0 + c < in.n_cols) {
@@ -688,11 +691,9 @@ class AnchorPasses {
         accumulation_(q.features.options().dtype(dtype_of<acc_t>())),
         largest_strip_(strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols) {
     if constexpr (kHasMmaTiles<scalar_t>) {
-      tensor_cores_ = mma_tiles_allowed<scalar_t>() &&
-          mma_tiles_apply<tile_weights_kernel<scalar_t, AnchorWeightRule>>(q.features) &&
-          mma_tiles_apply<tile_weights_kernel<scalar_t, AnchorWeightRule>>(r.features) &&
-          mma_tiles_apply<tile_states_kernel<scalar_t>>(q.features) &&
-          mma_tiles_apply<tile_states_kernel<scalar_t>>(r.features) && tiles(r.size()) <= kMaxGridY;
+      tensor_cores_ = tiles_take<scalar_t>(q.features) && tiles_take<scalar_t>(r.features) &&
+          mma_tiles_built<tile_weights_kernel<scalar_t, AnchorWeightRule<TileUnits<scalar_t>>>>() &&
+          mma_tiles_built<tile_states_kernel<scalar_t>>() && tiles(r.size()) <= kMaxGridY;
     }
   }
 
@@ -702,6 +703,7 @@ class AnchorPasses {
     at::Tensor states = at::empty({batch, PairStates<acc_t>::kValues}, accumulation_);
     acc_t* state = states.data_ptr<acc_t>();
     if (tensor_cores_) {
+      take_tile_features();
       reduce_on_tiles(state);
     } else {
       for (const Strip& strip : strips_) {
@@ -758,6 +760,7 @@ class AnchorPasses {
       return {grad_q, grad_r};
     }
     const std::vector<Strip> strips = gradient_strips();
+    if (tensor_cores_) take_tile_features();
     const at::Tensor weight_space =
         make_weight_space(strips.front().rows * strips.front().cols, /*over_similarities=*/!tensor_cores_);
     const auto write = [](bool accumulate, const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
@@ -852,11 +855,18 @@ class AnchorPasses {
     }
   }
 
+  // Q and R as the tensor-core kernels take them, for tile_operands; made
+  // by the passes that use them (a split of float32 features takes 4·D a
+  // row).
+  void take_tile_features() {
+    q_tiles_ = TileFeatures<scalar_t>(q_.features);
+    r_tiles_ = self_ ? q_tiles_ : TileFeatures<scalar_t>(r_.features);
+  }
+
   // The strip's two sides as the tensor-core kernels take them.
   TileOperands<scalar_t> tile_operands(const Strip& strip) const {
-    const int64_t dim = q_.dim();
-    return make_tile_operands(q_.features.data_ptr<scalar_t>() + strip.row0 * dim, row_labels(strip), strip.rows,
-                              r_.features.data_ptr<scalar_t>() + strip.col0 * dim, col_labels(strip), strip.cols, dim);
+    return make_tile_operands(q_tiles_.rows().from(strip.row0), row_labels(strip), strip.rows,
+                              r_tiles_.cols().from(strip.col0), col_labels(strip), strip.cols);
   }
 
   // The backward's strips. On the tensor cores a strip holds only W, in the
@@ -895,9 +905,9 @@ class AnchorPasses {
       // x over the strip's rows of tiles, the fastest: the CTAs resident at
       // once share their columns' operand tiles through L2.
       const dim3 grid(static_cast<unsigned>(tiles(strip.rows)), static_cast<unsigned>(tiles(strip.cols)));
-      launch_kernel(after_products, tile_weights_kernel<scalar_t, AnchorWeightRule>, grid, dim3(kMmaThreads),
+      launch_kernel(after_products, tile_weights_kernel<scalar_t, AnchorWeightRule<TileUnits<scalar_t>>>, grid, dim3(kMmaThreads),
                     kMmaSharedBytes, tile_operands(strip),
-                    AnchorWeightRule{logit_, row_coefficients, col_coefficients, strip.rows, strip.cols,
+                    AnchorWeightRule<TileUnits<scalar_t>>{logit_, row_coefficients, col_coefficients, strip.rows, strip.cols,
                                      first_column(strip), left_out(strip)},
                     /*symmetric=*/false, weights.data_ptr<scalar_t>());
     }
@@ -940,6 +950,8 @@ class AnchorPasses {
   at::TensorOptions accumulation_; // acc_t on the features' device
   int64_t largest_strip_; // entries
   bool tensor_cores_ = false; // the backward's W from tensor-core tiles (mma_tiles.cuh)
+  TileFeatures<scalar_t> q_tiles_; // take_tile_features()
+  TileFeatures<scalar_t> r_tiles_;
   at::Tensor workspace_; // (largest_strip_,) in acc_t, S's strips: see similarity_space
 };
 

@@ -27,11 +27,13 @@
 // class's worth per row, are done afterwards within their classes with the
 // exact LSE_P (positive_band_kernel over the rows sorted by label). Where
 // cuBLAS may use TF32 for float32, its GEMMs outrun that SIMT kernel, and the
-// two passes of one strip are kept for any number of strips.
+// two passes of one strip are kept for any number of strips. These strips
+// are float64's path, and that of features the tiles below do not take.
 //
-// float16/bfloat16 batches whose rows are whole 16-byte chunks (and float32
-// ones where TF32 is allowed) form S on the tensor cores instead
-// (mma_tiles.cuh), in registers, and never write it:
+// float16/bfloat16 batches whose rows are whole 16-byte chunks, and float32
+// ones (in TF32 where it is allowed, else split into TF32 parts that keep
+// float32's accuracy), form S on the tensor cores instead (mma_tiles.cuh),
+// in registers, and never write it:
 //   tile_lse_kernel       the loss pass in one launch over every tile on and
 //                         above the diagonal, partials as strip_lse_kernel's.
 //   tile_weights_kernel   (mma_tiles.cuh, with GlobalWeightRule) the gradient
@@ -145,13 +147,13 @@ __device__ __forceinline__ void tile_position(bool symmetric, int64_t row_tiles,
 }
 
 // The thread's (max, Σ) of both sets over its entries of a tile, which hold
-// S on entry and their logits in units of 1/log2(e) on exit; each entry's
+// S on entry and their logits in Units on exit; each entry's
 // sum term is weighted by its multiplicity relative to an off-diagonal pair
 // (1; 1/2 on a symmetric product's diagonal, 0 below it or past the end).
 // kEveryEntry: a full tile off the diagonal, where every entry has weight 1
 // and none is tested. The maxima come first, then the sums at them: one ex2
 // an entry, no branch.
-template <bool kEveryEntry>
+template <bool kEveryEntry, typename Units>
 __device__ __forceinline__ void tile_entry_states(
     TileAccumulators& tile,
     const TileLabels& labels,
@@ -193,21 +195,21 @@ __device__ __forceinline__ void tile_entry_states(
     const float weight = weight_of(r, c);
     if (weight == 0.0f) return;
     const bool in_positive = labels.row[r] == (k % 2 == 0 ? column_ids.x : column_ids.y);
-    const float term = weight * fast_exp2(u - (in_positive ? positive_max : negative_max));
+    const float term = weight * Units::term(u, in_positive ? positive_max : negative_max);
     if (in_positive) {
       positive_sum += term;
     } else {
       negative_sum += term;
     }
   });
-  positive = natural_state(positive_max, positive_sum);
-  negative = natural_state(negative_max, negative_sum);
+  positive = Units::state(positive_max, positive_sum);
+  negative = Units::state(negative_max, negative_sum);
 }
 
 // tile_entry_states for a full tile off the diagonal whose every pair is
 // in the one set `state` (positive: kPositive): no compares, the same
 // terms in the same order, so the same bits.
-template <bool kPositive>
+template <bool kPositive, typename Units>
 __device__ __forceinline__ void tile_set_state(TileAccumulators& tile, const TileLogit& logit, LseState<float>& state) {
   float max_u = -std::numeric_limits<float>::infinity();
   tile.for_each([&](float& s, int, int, int) {
@@ -216,8 +218,8 @@ __device__ __forceinline__ void tile_set_state(TileAccumulators& tile, const Til
     max_u = fast_nan_max(max_u, s);
   });
   float sum = 0.0f;
-  tile.for_each([&](float u, int, int, int) { sum += fast_exp2(u - max_u); });
-  state = natural_state(max_u, sum);
+  tile.for_each([&](float u, int, int, int) { sum += Units::term(u, max_u); });
+  state = Units::state(max_u, sum);
 }
 
 // partials[blockIdx] = (max_P, Σ_P, max_N, Σ_N) of one kMmaTile² tile of
@@ -246,22 +248,23 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
   const int valid_rows = static_cast<int>(in.n_rows - row0 < kMmaTile ? in.n_rows - row0 : kMmaTile);
   const int valid_cols = static_cast<int>(in.n_cols - col0 < kMmaTile ? in.n_cols - col0 : kMmaTile);
   const bool diagonal = symmetric && ti == tj;
-  const TileLogit tile_logit(logit, kLog2e);
+  using Units = TileUnits<T>;
+  const TileLogit tile_logit(logit, Units::kScale);
   LseState<float> positive;
   LseState<float> negative;
   if (!diagonal && valid_rows == kMmaTile && valid_cols == kMmaTile) {
     switch (labels.sets(id_ranges)) {
       case TileLabels::Sets::kNegativesOnly:
-        tile_set_state<false>(tile, tile_logit, negative);
+        tile_set_state<false, Units>(tile, tile_logit, negative);
         break;
       case TileLabels::Sets::kPositivesOnly:
-        tile_set_state<true>(tile, tile_logit, positive);
+        tile_set_state<true, Units>(tile, tile_logit, positive);
         break;
       default:
-        tile_entry_states<true>(tile, labels, tile_logit, valid_rows, valid_cols, diagonal, positive, negative);
+        tile_entry_states<true, Units>(tile, labels, tile_logit, valid_rows, valid_cols, diagonal, positive, negative);
     }
   } else {
-    tile_entry_states<false>(tile, labels, tile_logit, valid_rows, valid_cols, diagonal, positive, negative);
+    tile_entry_states<false, Units>(tile, labels, tile_logit, valid_rows, valid_cols, diagonal, positive, negative);
   }
   block_fold<kMmaThreads>(positive, negative, scratch);
   if (threadIdx.x == 0) {
@@ -273,35 +276,36 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
 }
 
 // tile_weights_kernel's rule for the global form: W = 2σ(Z)·exp(z - LSE of
-// its set)·dz/ds, from the loss's scalars.
+// its set)·dz/ds, from the loss's scalars, logits in Units (TileUnits).
+template <typename Units>
 struct GlobalWeightRule {
   PairLogit<float> logit;
   const double* scalars; // (LSE_P, LSE_N, loss, 2σ(Z))
 
   struct Shared {
-    float lse[2]; // (LSE_P, LSE_N), times -log2(e): exp(z - LSE) = 2^(z·log2(e) + this)
+    WeightOffset offset[2]; // of (LSE_P, LSE_N)
     float scale; // 2σ(Z)
   };
 
   __device__ __forceinline__ void load(Shared& shared, int64_t, int64_t) const {
     if (threadIdx.x != 0) return;
     const LossScalars loss = LossScalars::load(scalars);
-    shared.lse[0] = -static_cast<float>(loss.lse_positive) * kLog2e;
-    shared.lse[1] = -static_cast<float>(loss.lse_negative) * kLog2e;
+    shared.offset[0] = Units::offset(loss.lse_positive);
+    shared.offset[1] = Units::offset(loss.lse_negative);
     shared.scale = static_cast<float>(loss.grad_scale);
   }
 
   __device__ __forceinline__ auto at(const Shared& shared) const {
-    const TileLogit tile_logit(logit, kLog2e);
-    const float positive_offset = shared.lse[0];
-    const float negative_offset = shared.lse[1];
+    const TileLogit tile_logit(logit, Units::kScale);
+    const WeightOffset positive_offset = shared.offset[0];
+    const WeightOffset negative_offset = shared.offset[1];
     // 2σ(Z) times the slope's factor ∓γ/2 of twice_alpha.
     const float positive_factor = -0.5f * shared.scale * logit.gamma;
     const float negative_factor = 0.5f * shared.scale * logit.gamma;
     return [=](float s, bool positive, int, int) {
       float twice_alpha;
       const float u = tile_logit(s, positive, &twice_alpha);
-      const float w = twice_alpha * fast_exp2(u + (positive ? positive_offset : negative_offset));
+      const float w = twice_alpha * Units::weight_term(u, positive ? positive_offset : negative_offset);
       return w * (positive ? positive_factor : negative_factor);
     };
   }
@@ -725,9 +729,14 @@ class StripPasses {
         sms_(multiprocessors()) {
     const int64_t largest = strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols;
     workspace_ = at::empty({largest}, rows.features.options().dtype(tensor_cores_ ? dtype_of<scalar_t>() : dtype_of<acc_t>()));
+    if (tensor_cores_) {
+      row_tiles_ = TileFeatures<scalar_t>(rows.features);
+      col_tiles_ = symmetric ? row_tiles_ : TileFeatures<scalar_t>(cols.features);
+    }
   }
 
   int64_t strip_count() const { return static_cast<int64_t>(strips_.size()); }
+  bool on_tensor_cores() const { return tensor_cores_; }
 
   // Loss pass: every CTA's LSE partials, (n, 4) in acc_t. Leaves the last
   // strip's S in the workspace.
@@ -846,9 +855,8 @@ class StripPasses {
   // Features the tensor-core kernels can take (mma_tiles.cuh).
   static bool use_tensor_cores(const KernelRows& rows, const KernelRows& cols) {
     if constexpr (kHasMmaTiles<scalar_t>) {
-      return mma_tiles_allowed<scalar_t>() && mma_tiles_apply<tile_lse_kernel<scalar_t>>(rows.features) &&
-          mma_tiles_apply<tile_lse_kernel<scalar_t>>(cols.features) &&
-          mma_tiles_apply<tile_weights_kernel<scalar_t, GlobalWeightRule>>(rows.features);
+      return tiles_take<scalar_t>(rows.features) && tiles_take<scalar_t>(cols.features) &&
+          mma_tiles_built<tile_lse_kernel<scalar_t>>() && mma_tiles_built<tile_weights_kernel<scalar_t, GlobalWeightRule<TileUnits<scalar_t>>>>();
     } else {
       return false;
     }
@@ -866,9 +874,8 @@ class StripPasses {
       if (tile_count > 0) {
         tile_lse_kernel<scalar_t><<<static_cast<unsigned>(tile_count), kMmaThreads, kMmaSharedBytes,
                                     c10::cuda::getCurrentCUDAStream()>>>(
-            make_tile_operands(rows_.features.data_ptr<scalar_t>(), rows_.labels.data_ptr<int64_t>(), rows_.size(),
-                               cols_.features.data_ptr<scalar_t>(), cols_.labels.data_ptr<int64_t>(), cols_.size(),
-                               rows_.dim()),
+            make_tile_operands(row_tiles_.rows(), rows_.labels.data_ptr<int64_t>(), rows_.size(), col_tiles_.cols(),
+                               cols_.labels.data_ptr<int64_t>(), cols_.size()),
             symmetric_, logit_, partials.data_ptr<float>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
@@ -885,13 +892,11 @@ class StripPasses {
       // x over the strip's rows of tiles, the fastest: the CTAs resident at
       // once share their columns' operand tiles through L2.
       const dim3 grid(static_cast<unsigned>(tiles(strip.rows)), static_cast<unsigned>(tiles(strip.cols)));
-      launch_kernel(after_products, tile_weights_kernel<scalar_t, GlobalWeightRule>, grid, dim3(kMmaThreads),
+      launch_kernel(after_products, tile_weights_kernel<scalar_t, GlobalWeightRule<TileUnits<scalar_t>>>, grid, dim3(kMmaThreads),
                     kMmaSharedBytes,
-                    make_tile_operands(rows_.features.data_ptr<scalar_t>() + strip.row0 * rows_.dim(),
-                                       row_labels(strip), strip.rows,
-                                       cols_.features.data_ptr<scalar_t>() + strip.col0 * cols_.dim(),
-                                       col_labels(strip), strip.cols, rows_.dim()),
-                    GlobalWeightRule{logit_, scalars}, symmetric_ && strip.col0 == strip.row0,
+                    make_tile_operands(row_tiles_.rows().from(strip.row0), row_labels(strip), strip.rows,
+                                       col_tiles_.cols().from(strip.col0), col_labels(strip), strip.cols),
+                    GlobalWeightRule<TileUnits<scalar_t>>{logit_, scalars}, symmetric_ && strip.col0 == strip.row0,
                     weights.data_ptr<scalar_t>());
     }
     return weights;
@@ -967,6 +972,8 @@ class StripPasses {
   bool symmetric_;
   PairLogit<acc_t> logit_;
   bool tensor_cores_; // S formed and consumed in registers (mma_tiles.cuh)
+  TileFeatures<scalar_t> row_tiles_; // with tensor_cores_, rows and cols as the tiles take them
+  TileFeatures<scalar_t> col_tiles_;
   std::vector<Strip> strips_;
   int sms_;
   at::Tensor workspace_; // (largest strip,): S in acc_t, or with tensor_cores_ the weights in scalar_t
@@ -1007,14 +1014,15 @@ std::tuple<at::Tensor, at::Tensor> loss_and_grad_cuda(
       loss_scalars(passes, features, loss);
       return;
     }
-    // float32/float64 over several strips form S once (loss_and_gradient):
-    // that costs less than a second pass. On the tensor cores the second
-    // pass costs less than the positive band, and so it does for float32
-    // where TF32 is allowed but rows are not whole 16-byte chunks (cuBLAS's
-    // TF32 GEMMs run about six times as fast as float32's, the band kernel
-    // not at all faster).
+    // float32/float64 strips of S from cuBLAS, several of them, form S once
+    // (loss_and_gradient): that costs less than a second pass. On the tensor
+    // cores the second pass costs less than the positive band, and so it
+    // does for float32 where TF32 is allowed but rows are not whole 16-byte
+    // chunks (cuBLAS's TF32 GEMMs run about six times as fast as float32's,
+    // the band kernel not at all faster).
     const bool tf32 = std::is_same_v<scalar_t, float> && cublas_may_use_tf32();
-    const bool one_pass = std::is_same_v<scalar_t, at::opmath_type<scalar_t>> && passes.strip_count() > 1 && !tf32;
+    const bool one_pass = std::is_same_v<scalar_t, at::opmath_type<scalar_t>> && passes.strip_count() > 1 &&
+        !passes.on_tensor_cores() && !tf32;
     const at::Tensor grad_acc =
         one_pass ? passes.loss_and_gradient(loss) : passes.gradient(loss_scalars(passes, features, loss));
     grad = grad_acc.to(features.scalar_type());

@@ -327,6 +327,15 @@ __device__ __forceinline__ void wait_for_prerequisites() {
 #endif
 }
 
+// The current device's multiprocessor count. (ATen's cached device
+// properties come through a header that needs cuBLAS and cuSPARSE headers,
+// which the compile check against a CPU torch does not have.)
+inline int multiprocessors() {
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+  return sms;
+}
+
 // The current GPU's compute capability, major part.
 inline int compute_capability_major() {
   int major = 0;

@@ -1,8 +1,9 @@
-// Tiles of S = rows · colsᵀ on the tensor cores, for float16 and bfloat16
-// features, and float32 ones where the user allows TF32: S accumulates in
-// float32 registers and is handed to an epilogue in place, so that it never
-// goes to memory. Used by circle_loss_cuda.cu and anchor_loss_cuda.cu for the
-// LSE partials and the gradient weights.
+// Tiles of S = rows · colsᵀ on the tensor cores, for float16, bfloat16 and
+// float32 features: S accumulates in float32 registers and is handed to an
+// epilogue in place, so that it never goes to memory. float32 is multiplied
+// in TF32 where the user allows TF32, and otherwise split into TF32 parts
+// that keep float32's accuracy (TileFeatures). Used by circle_loss_cuda.cu
+// and anchor_loss_cuda.cu for the LSE partials and the gradient weights.
 //
 // A CTA of kMmaThreads threads owns a kMmaTile × kMmaTile tile of S. The
 // features pass through shared memory 128 bytes of a row at a time (kMmaK<T>
@@ -25,6 +26,7 @@
 #include "common.cuh"
 
 #include <ATen/Context.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <cuda.h>
@@ -76,12 +78,26 @@ inline bool cublas_may_use_tf32() {
   return at::globalContext().allowTF32CuBLAS() && !at::NoTF32Guard::should_disable_tf32();
 }
 
-// Whether T's products may go to the tensor cores now: float32's only where
-// the user lets matmuls use TF32 as above, since gamma amplifies TF32's
-// rounding of S (the default, "highest", keeps float32's accuracy).
+// Whether the tiles take float32 features split into TF32 parts (3×TF32,
+// TileFeatures): wherever the user has not let matmuls use TF32 as above,
+// since gamma amplifies TF32's rounding of S in the loss (the default,
+// "highest", keeps float32's accuracy).
 template <typename T>
-inline bool mma_tiles_allowed() {
-  return kHasMmaTiles<T> && (!std::is_same_v<T, float> || cublas_may_use_tf32());
+inline bool splits_to_tf32() {
+  return std::is_same_v<T, float> && !cublas_may_use_tf32();
+}
+
+// Whether the tiles can take these features (n, D): a dtype they multiply,
+// with rows of whole 16-byte chunks from an aligned start, or float32 that
+// is split (into a buffer that has them).
+template <typename T>
+inline bool tiles_take(const at::Tensor& features) {
+  if constexpr (kHasMmaTiles<T>) {
+    return splits_to_tf32<T>() ||
+        (features.size(1) * features.element_size() % 16 == 0 && reinterpret_cast<uintptr_t>(features.data_ptr()) % 16 == 0);
+  } else {
+    return false;
+  }
 }
 
 // The tensor-core epilogues issue more instructions than their tiles' main
@@ -149,34 +165,100 @@ struct TileLogit {
   }
 };
 
-// A set's terms in log2 units are 2^(u - max u): 1 within rounding at the
-// maximum, one subtraction and one ex2 an entry. What the two ends need:
-//   exponent_base: the max u the terms take, 0 for a set that has no pair
-//     (max -inf), whose entries are then -inf, no pairs, and take 0 rather
-//     than 2^(-inf + inf) = NaN;
-//   natural_state: the set's (max, Σ) in natural units; an infinite maximum,
-//     whose terms were NaN, gets the sum 1 instead: the same infinite LSE.
+// exp(z - base) as a tile epilogue's terms take it, from u = z·scale: 1
+// within rounding at the maximum. exponent_base: the max u the terms take,
+// 0 for a set that has no pair (max -inf), whose entries are then -inf, no
+// pairs, and take 0 rather than 2^(-inf + inf) = NaN.
 __device__ __forceinline__ float exponent_base(float max_u) {
   return max_u == -std::numeric_limits<float>::infinity() ? 0.0f : max_u;
 }
 
-__device__ __forceinline__ LseState<float> natural_state(float max_u, float sum) {
-  constexpr float kLn2 = 1.0f / kLog2e;
-  return {max_u * kLn2, max_u == std::numeric_limits<float>::infinity() ? 1.0f : sum};
-}
+// The units the tile epilogues carry logits in, by the features' dtype
+// (TileUnits<T>):
+//   Log2Units (float16, bfloat16): u = z·log2(e), folded into the logit's
+//     constants, so that a term is one subtraction and one ex2;
+//   NaturalUnits (float32): u = z, a term one subtraction, one multiply and
+//     one ex2. At gamma = 256 logits and LSEs of several hundred are common;
+//     log2 units resolve them half as finely, and the LSE against which the
+//     backward takes a set's weights shifts them all alike, which the
+//     gradient, whose sets' parts largely cancel, amplifies past float32's
+//     tolerance (bench/NOTES.md). float16/bfloat16 inputs resolve far less.
+// Each gives
+//   kScale                u = z·kScale (TileLogit's unit);
+//   term(u, base)         exp(z - base), base from exponent_base;
+//   state(max_u, sum)     the set's (max, Σ) in natural units; an infinite
+//                         maximum, whose terms were NaN, gets the sum 1
+//                         instead: the same infinite LSE;
+//   offset(lse)           -LSE as weight_term takes it, a pair (hi, lo =
+//                         what hi leaves of -LSE) where the LSE is known
+//                         past float32 (the global form's, in float64):
+//                         z - LSE is then exact near the set's maximum;
+//   weight_term(u, o)     exp(z - LSE) for o = offset(LSE), or for o =
+//                         offset(LSE).hi of a float LSE: the backward's.
+struct WeightOffset {
+  float hi;
+  float lo;
+};
+
+struct Log2Units {
+  static constexpr float kScale = kLog2e;
+  __device__ __forceinline__ static float term(float u, float base) { return fast_exp2(u - base); }
+  __device__ __forceinline__ static LseState<float> state(float max_u, float sum) {
+    constexpr float kLn2 = 1.0f / kLog2e;
+    return {max_u * kLn2, max_u == std::numeric_limits<float>::infinity() ? 1.0f : sum};
+  }
+  template <typename Lse>
+  __device__ __forceinline__ static WeightOffset offset(Lse lse) {
+    return {-static_cast<float>(lse) * kLog2e, 0.0f};
+  }
+  __device__ __forceinline__ static float weight_term(float u, WeightOffset offset) { return fast_exp2(u + offset.hi); }
+  __device__ __forceinline__ static float weight_term(float u, float offset) { return fast_exp2(u + offset); }
+};
+
+struct NaturalUnits {
+  static constexpr float kScale = 1.0f;
+  __device__ __forceinline__ static float term(float u, float base) { return fast_exp2((u - base) * kLog2e); }
+  __device__ __forceinline__ static LseState<float> state(float max_u, float sum) {
+    return {max_u, max_u == std::numeric_limits<float>::infinity() ? 1.0f : sum};
+  }
+  template <typename Lse>
+  __device__ __forceinline__ static WeightOffset offset(Lse lse) {
+    const float hi = -static_cast<float>(lse);
+    return {hi, static_cast<float>(-lse - static_cast<Lse>(hi))};
+  }
+  __device__ __forceinline__ static float weight_term(float u, WeightOffset offset) {
+    return fast_exp2(((u + offset.hi) + offset.lo) * kLog2e);
+  }
+  __device__ __forceinline__ static float weight_term(float u, float offset) { return fast_exp2((u + offset) * kLog2e); }
+};
+
+template <typename T>
+using TileUnits = std::conditional_t<std::is_same_v<T, float>, NaturalUnits, Log2Units>;
+
+// One side of a product rows · colsᵀ as the tiles read it: dim features a
+// row, rows stride elements apart.
+template <typename T>
+struct TileSide {
+  const T* features;
+  int64_t dim;
+  int64_t stride;
+
+  TileSide from(int64_t row) const { return {features + row * stride, dim, stride}; }
+};
 
 // The two sides of a product rows · colsᵀ and their labels, as the
 // tensor-core kernels take them (as __grid_constant__ parameters, which the
 // bulk copies require of their tensor maps). Made by make_tile_operands.
 template <typename T>
 struct TileOperands {
-  const T* rows; // (n_rows, dim)
+  const T* rows; // (n_rows, dim), rows stride apart
   const int64_t* row_labels; // (n_rows,)
   int64_t n_rows;
-  const T* cols; // (n_cols, dim)
+  const T* cols; // (n_cols, dim), rows stride apart
   const int64_t* col_labels; // (n_cols,)
   int64_t n_cols;
   int64_t dim;
+  int64_t stride;
   // The bulk copies' view of each side, on GPUs that have them: boxes of
   // kMmaTile rows × kStageRowBytes, as one stage operand takes them.
   CUtensorMap row_boxes;
@@ -198,23 +280,23 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// features (n, dim) as boxes of kMmaTile rows × kStageRowBytes, swizzled
-// as the stages store them, zeros past the rows' and the features' ends.
+// n rows of a side as boxes of kMmaTile rows × kStageRowBytes, swizzled as
+// the stages store them, zeros past the rows' and the features' ends.
 template <typename T>
-CUtensorMap stage_boxes(const T* features, int64_t n, int64_t dim) {
+CUtensorMap stage_boxes(const TileSide<T>& side, int64_t n) {
   CUtensorMap boxes = {};
-  const cuuint64_t extent[2] = {static_cast<cuuint64_t>(dim), static_cast<cuuint64_t>(n)};
-  const cuuint64_t row_bytes[1] = {static_cast<cuuint64_t>(dim) * sizeof(T)};
+  const cuuint64_t extent[2] = {static_cast<cuuint64_t>(side.dim), static_cast<cuuint64_t>(n)};
+  const cuuint64_t row_bytes[1] = {static_cast<cuuint64_t>(side.stride) * sizeof(T)};
   const cuuint32_t box[2] = {kMmaK<T>, kMmaTile};
   const cuuint32_t unit_strides[2] = {1, 1};
   // The copies move bits: float32 goes to the tensor cores as it is (TF32
   // reads its upper 19 bits), as with cp.async.
   const CUtensorMapDataType type = sizeof(T) == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16 : CU_TENSOR_MAP_DATA_TYPE_UINT32;
   const CUresult result = tensor_map_encoder()(
-      &boxes, type, 2, const_cast<T*>(features), extent, row_bytes, box, unit_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      &boxes, type, 2, const_cast<T*>(side.features), extent, row_bytes, box, unit_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(result == CUDA_SUCCESS, "circle_loss: cuTensorMapEncodeTiled failed with CUresult ", static_cast<int>(result),
-              " for features of ", n, " × ", dim);
+              " for features of ", n, " × ", side.dim, " (", side.stride, " apart)");
   return boxes;
 }
 
@@ -223,20 +305,108 @@ CUtensorMap stage_boxes(const T* features, int64_t n, int64_t dim) {
 // leave them unused).
 template <typename T>
 TileOperands<T> make_tile_operands(
-    const T* rows,
+    const TileSide<T>& rows,
     const int64_t* row_labels,
     int64_t n_rows,
-    const T* cols,
+    const TileSide<T>& cols,
     const int64_t* col_labels,
-    int64_t n_cols,
-    int64_t dim) {
-  TileOperands<T> in{rows, row_labels, n_rows, cols, col_labels, n_cols, dim, {}, {}};
-  if (compute_capability_major() >= 9 && n_rows > 0 && n_cols > 0 && dim > 0) {
-    in.row_boxes = stage_boxes(rows, n_rows, dim);
-    in.col_boxes = stage_boxes(cols, n_cols, dim);
+    int64_t n_cols) {
+  TORCH_INTERNAL_ASSERT(rows.dim == cols.dim && rows.stride == cols.stride);
+  TileOperands<T> in{rows.features, row_labels, n_rows, cols.features, col_labels, n_cols, rows.dim, rows.stride, {}, {}};
+  if (compute_capability_major() >= 9 && n_rows > 0 && n_cols > 0 && rows.dim > 0) {
+    in.row_boxes = stage_boxes(rows, n_rows);
+    in.col_boxes = stage_boxes(cols, n_cols);
   }
   return in;
 }
+
+// x rounded to TF32's 10-bit mantissa, to nearest, ties away from zero: a
+// float32 whose low 13 bits are 0, which the tensor cores read exactly.
+// Infinities and NaNs pass unchanged.
+__device__ __forceinline__ float round_to_tf32(float x) {
+  uint32_t bits = __float_as_uint(x);
+  if ((bits & 0x7f800000u) != 0x7f800000u) bits = (bits + 0x1000u) & 0xffffe000u;
+  return __uint_as_float(bits);
+}
+
+// features (n, dim) into split (n, 4 · width), each row [big | small | big |
+// big] with big = round_to_tf32(x) and small = round_to_tf32(x - big), zeros
+// from dim to width in each part (TileFeatures).
+__global__ void split_to_tf32_kernel(
+    const float* __restrict__ features,
+    int64_t n,
+    int64_t dim,
+    int64_t width,
+    float* __restrict__ split) {
+  const int64_t total = n * width;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / width;
+    const int64_t k = i % width;
+    float big = 0.0f;
+    float small = 0.0f;
+    if (k < dim) {
+      const float x = features[row * dim + k];
+      big = round_to_tf32(x);
+      small = round_to_tf32(x - big);
+    }
+    float* out = split + row * 4 * width + k;
+    out[0] = big;
+    out[width] = small;
+    out[2 * width] = big;
+    out[3 * width] = big;
+  }
+}
+
+// Features (n, D) as the tiles take them: both sides the features themselves,
+// or for float32 where splits_to_tf32, 3×TF32 parts that keep float32's
+// accuracy on TF32 tensor cores. Each x = big + small + e, big and small as
+// split_to_tf32_kernel makes them, |small| ≤ 2^-11·|x| and |e| ≤ 2^-22·|x|;
+//   x_i · x_j = small_i·big_j + big_i·small_j + big_i·big_j + (below 2^-20 of |x_i|·|x_j|),
+// which is one product over K = 3·D: the rows side [small | big | big]
+// against the columns side [big | small | big], both views of one (n, 4·D)
+// buffer [big | small | big | big] (D rounded up to whole 16-byte chunks,
+// zeros beyond it), the small products first. The sum is symmetric in i
+// and j as x_i · x_j is, so symmetric products may keep one of two tiles.
+template <typename T>
+class TileFeatures {
+ public:
+  TileFeatures() = default;
+
+  // features: (n, D) contiguous, such that tiles_take<T>(features).
+  explicit TileFeatures(const at::Tensor& features) : storage_(features), width_(features.size(1)) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (!splits_to_tf32<T>()) return;
+      constexpr int64_t kChunk = 16 / sizeof(float);
+      const int64_t n = features.size(0);
+      width_ = (features.size(1) + kChunk - 1) / kChunk * kChunk;
+      split_ = true;
+      storage_ = at::empty({n, kSplitParts * width_}, features.options());
+      const int64_t total = n * width_;
+      if (total == 0) return;
+      const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 8 * multiprocessors());
+      split_to_tf32_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+          features.data_ptr<float>(), n, features.size(1), width_, storage_.data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+
+  // The side that stands for rows, and for columns, of S = rows · colsᵀ.
+  TileSide<T> rows() const { return side(split_ ? width_ : 0); }
+  TileSide<T> cols() const { return side(0); }
+
+ private:
+  static constexpr int64_t kSplitParts = 4;
+
+  TileSide<T> side(int64_t first) const {
+    const int64_t stride = split_ ? kSplitParts * width_ : width_;
+    return {storage_.data_ptr<T>() + first, split_ ? (kSplitParts - 1) * width_ : width_, stride};
+  }
+
+  at::Tensor storage_; // the features, or their split (n, 4 · width_)
+  int64_t width_ = 0; // features a row of each part
+  bool split_ = false;
+};
 
 // One thread's share of a CTA's tile: acc[f][e] is S at (row_of(f, e),
 // col_of(f, e)) relative to the tile's first row and column; each fragment f
@@ -329,7 +499,7 @@ struct StageCopies {
   static_assert(kMmaThreads % kChunksPerRow == 0 && kRowStep % kChunksPerRow == 0,
                 "a thread's copies share their column of chunks and their swizzle");
 
-  const T* features; // (n, dim)
+  const T* features; // (n, dim), rows stride apart
   int64_t dim;
   int64_t offset; // of the first copy's chunk at k0 = 0
   int64_t row_step; // kRowStep rows
@@ -337,13 +507,13 @@ struct StageCopies {
   uint32_t inside_rows; // bit u: copy u's row is one of the n
   int target; // byte offset of the first copy within the operand
 
-  __device__ __forceinline__ StageCopies(const T* features_, int64_t n, int64_t dim_, int64_t first)
+  __device__ __forceinline__ StageCopies(const T* features_, int64_t n, int64_t dim_, int64_t stride, int64_t first)
       : features(features_), dim(dim_) {
     const int row = threadIdx.x / kChunksPerRow;
     const int chunk = threadIdx.x % kChunksPerRow;
     feature = chunk * kVec<T>;
-    offset = (first + row) * dim + feature;
-    row_step = kRowStep * dim;
+    offset = (first + row) * stride + feature;
+    row_step = kRowStep * stride;
     inside_rows = 0;
 #pragma unroll
     for (int u = 0; u < kCopies; ++u) inside_rows |= static_cast<uint32_t>(first + row + u * kRowStep < n) << u;
@@ -669,8 +839,8 @@ __device__ __forceinline__ void multiply_tile_by_copies(
     const Stages<T>& stages,
     int64_t steps,
     Meanwhile meanwhile) {
-  const StageCopies<T> row_copies(in.rows, in.n_rows, in.dim, row0);
-  const StageCopies<T> col_copies(in.cols, in.n_cols, in.dim, col0);
+  const StageCopies<T> row_copies(in.rows, in.n_rows, in.dim, in.stride, row0);
+  const StageCopies<T> col_copies(in.cols, in.n_cols, in.dim, in.stride, col0);
 #pragma unroll
   for (int s = 0; s < kMmaStages - 1; ++s) {
     if (s < steps) {
@@ -908,15 +1078,11 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
   if (symmetric && blockIdx.y > blockIdx.x && col0 < in.n_rows) store(true, col0, row0, in.n_rows, in.n_rows);
 }
 
-// Whether `kernel`, built on these tiles, can take these features: whole
-// 16-byte chunks per row from an aligned start, and a binary for this GPU
-// built for sm_80 or later (before, the tiles compile to nothing). Sets the
+// Whether `kernel`, built on these tiles, runs on this GPU: a binary built
+// for sm_80 or later (before, the tiles compile to nothing). Sets the
 // kernel's dynamic shared memory on the way, which it needs beyond 48 KiB.
 template <auto kernel>
-inline bool mma_tiles_apply(const at::Tensor& features) {
-  if (features.size(1) * features.element_size() % 16 != 0 || reinterpret_cast<uintptr_t>(features.data_ptr()) % 16 != 0) {
-    return false;
-  }
+inline bool mma_tiles_built() {
   return configure_once<kernel>([] {
     cudaFuncAttributes attributes = {};
     C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));

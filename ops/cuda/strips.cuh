@@ -117,15 +117,6 @@ inline dim3 strip_grid(const Strip& strip, int sms) {
   return dim3(static_cast<unsigned>(col_chunks), static_cast<unsigned>(row_groups));
 }
 
-// The current device's multiprocessor count. (ATen's cached device
-// properties come through a header that needs cuBLAS and cuSPARSE headers,
-// which the compile check against a CPU torch does not have.)
-inline int multiprocessors() {
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-  return sms;
-}
-
 // Calls visit(r, c, s_rc, is_positive) for this thread's entries of a strip.
 // Column labels are read once per thread, row labels once per row; the
 // entries of kRowsInFlight rows (64 bytes a thread) are loaded before any is
