@@ -19,7 +19,7 @@ from reference import (
 )
 
 # A dtype that takes the tensor-core tiles on CUDA (rows of whole 16-byte chunks).
-HALF_PRECISION = pytest.param(torch.bfloat16, marks=pytest.mark.half_precision, id="bfloat16")
+HALF_PRECISION = pytest.param(torch.bfloat16, id="bfloat16")
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 SHAPES = [  # (B, D, classes, M or None): tiny, odd, tile edges, several tiles
@@ -136,7 +136,6 @@ def test_module_takes_the_self_index_scripted_too(device):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.sanitize
-@pytest.mark.half_precision
 def test_self_copies_half_precision(device, dtype):
     features, labels = make_inputs(200, 64, 8, device, dtype)
     bank, bank_labels, position = memory_bank(features, labels, 500, 400)
@@ -160,7 +159,6 @@ def test_self_index_outside_the_reference_set_leaves_nothing_out(device):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("refs", [None, 150])
 @pytest.mark.sanitize
-@pytest.mark.half_precision
 def test_half_precision_inputs(device, dtype, refs):
     features, labels = make_inputs(200, 64, 8, device, dtype)
     ref, ref_labels = make_reference_set(refs, 64, 8, device, dtype)

@@ -46,7 +46,6 @@ def test_matches_reference(device, batch, dim, classes, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("batch,dim,classes", [(5, 8, 2), (200, 64, 8), (300, 128, 30)])
 @pytest.mark.sanitize
-@pytest.mark.half_precision
 def test_half_precision_inputs(device, batch, dim, classes, dtype):
     features, labels = make_inputs(batch, dim, classes, device, dtype)
     loss, grad = run_op(features, labels)

@@ -10,10 +10,9 @@ from reference import (TOLERANCE, anchor_reference_and_grads, assert_matches_ref
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-# bfloat16 and float16 cases carry the half_precision mark, which racecheck
-# leaves out.
-BFLOAT16 = pytest.param(torch.bfloat16, marks=pytest.mark.half_precision, id="bfloat16")
-FLOAT16 = pytest.param(torch.float16, marks=pytest.mark.half_precision, id="float16")
+# Half-precision cases named by their dtype.
+BFLOAT16 = pytest.param(torch.bfloat16, id="bfloat16")
+FLOAT16 = pytest.param(torch.float16, id="float16")
 
 
 def loss_and_grad(features, labels):
@@ -275,9 +274,8 @@ def test_tensor_core_tiles_unaligned_rows(dtype):
     assert_matches_reference(loss, grad, features, labels)
 
 
-# The loss pass alone runs no cuBLAS, so racecheck (which cannot run cuBLAS's
-# half-precision GEMMs) sees the tiles' shared memory here, with labels that
-# fit in 32 bits and ones that do not (test_tensor_core_tiles_wide_labels).
+# The tiles' loss pass alone, under the sanitizers, with labels that fit in
+# 32 bits and ones that do not (test_tensor_core_tiles_wide_labels).
 @pytest.mark.sanitize
 def test_tensor_core_loss_pass():
     for dtype in (torch.float16, torch.bfloat16):

@@ -106,9 +106,7 @@ def test_bad_input_is_refused_before_any_collective():
 
 # float16/bfloat16: on CUDA the blocks' rectangular products run on the
 # tensor-core tiles (ops/cuda/mma_tiles.cuh), rows and columns ending mid-tile.
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32,
-                                   pytest.param(torch.float16, marks=pytest.mark.half_precision),
-                                   pytest.param(torch.bfloat16, marks=pytest.mark.half_precision)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.sanitize
 def test_block_ops_compose_to_the_op(device, dtype):
     features, labels = global_batch(130, 16, dtype, device)

@@ -761,11 +761,15 @@ class AnchorPasses {
     }
     const std::vector<Strip> strips = gradient_strips();
     if (tensor_cores_) take_tile_features();
-    const at::Tensor weight_space =
-        make_weight_space(strips.front().rows * strips.front().cols, /*over_similarities=*/!tensor_cores_);
-    const auto write = [](bool accumulate, const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
-      accumulate ? matmul_add(out, a, b) : matmul_into(out, a, b);
-    };
+    const int64_t largest = strips.front().rows * strips.front().cols;
+    // W in bfloat16 parts where the tiles take split features
+    // (float32_split.cuh); the products then take the features' parts too.
+    const bool split = tensor_cores_ && q_tiles_.split();
+    const at::Tensor weight_space = split ? at::empty({largest}, q_.features.options().dtype(at::kBFloat16))
+                                          : make_weight_space(largest, /*over_similarities=*/!tensor_cores_);
+    const at::Tensor small_weight_space = split ? at::empty_like(weight_space) : at::Tensor();
+    const SplitMatrix q = split ? q_tiles_.parts() : SplitMatrix{q_.features, {}};
+    const SplitMatrix r = split ? r_tiles_.parts() : SplitMatrix{r_.features, {}};
     // Last strip first: a strip writes its own rows before any earlier one
     // adds its mirrored share to them; with a reference set the last strip's
     // chunks write dR, the earlier ones add to it.
@@ -774,19 +778,22 @@ class AnchorPasses {
       constexpr int kValues = RowCoefficients<acc_t>::kValues;
       const acc_t* row_coefficients = coefficient + kValues * strip->row0;
       const acc_t* col_coefficients = self_ ? coefficient + kValues * strip->col0 : nullptr;
-      const at::Tensor weights = tensor_cores_
-          ? launch_tile_weights(*strip, weight_space, row_coefficients, col_coefficients,
+      const SplitMatrix weights = tensor_cores_
+          ? launch_tile_weights(*strip, weight_space, small_weight_space, row_coefficients, col_coefficients,
                                 /*after_products=*/strip != strips.crbegin())
-          : launch_weights(*strip, strip_similarities(q_, r_, *strip, similarity_space()), weight_space,
-                           row_coefficients, col_coefficients);
-      const at::Tensor own_rows = q_.features.narrow(0, strip->row0, strip->rows);
-      write(!last_chunk_of_rows(strips, strip), grad_q.narrow(0, strip->row0, strip->rows), weights,
-            r_.features.narrow(0, strip->col0, strip->cols));
+          : SplitMatrix{launch_weights(*strip, strip_similarities(q_, r_, *strip, similarity_space()), weight_space,
+                                       row_coefficients, col_coefficients),
+                        {}};
+      const SplitMatrix own_rows = q.narrow(0, strip->row0, strip->rows);
+      split_matmul(grad_q.narrow(0, strip->row0, strip->rows), weights, r.narrow(0, strip->col0, strip->cols),
+                   /*accumulate=*/!last_chunk_of_rows(strips, strip));
       if (self_ && strip->mirrored() > 0) {
-        matmul_add(grad_q.narrow(0, strip->first_mirrored(), strip->mirrored()),
-                   weights.narrow(1, strip->first_mirrored() - strip->col0, strip->mirrored()).t(), own_rows);
+        split_matmul(grad_q.narrow(0, strip->first_mirrored(), strip->mirrored()),
+                     weights.narrow(1, strip->first_mirrored() - strip->col0, strip->mirrored()).t(), own_rows,
+                     /*accumulate=*/true);
       } else if (!self_ && ref_grad) {
-        write(strip->row0 != strips.back().row0, grad_r.narrow(0, strip->col0, strip->cols), weights.t(), own_rows);
+        split_matmul(grad_r.narrow(0, strip->col0, strip->cols), weights.t(), own_rows,
+                     /*accumulate=*/strip->row0 != strips.back().row0);
       }
     }
     return {grad_q, grad_r};
@@ -891,25 +898,24 @@ class AnchorPasses {
                                                                 : at::empty({entries}, q_.features.options());
   }
 
-  // tile_weights_kernel over a strip, as launch_weights without S.
-  // after_products: the stream's last kernels are the products of the
-  // previous strip's W, of which the kernel is made a dependent.
-  at::Tensor launch_tile_weights(
+  // tile_weights_kernel over a strip, as launch_weights without S; in
+  // bfloat16 parts where small_weight_space is defined. after_products: the
+  // stream's last kernels are the products of the previous strip's W, of
+  // which the kernel is made a dependent.
+  SplitMatrix launch_tile_weights(
       const Strip& strip,
       const at::Tensor& weight_space,
+      const at::Tensor& small_weight_space,
       const acc_t* row_coefficients,
       const acc_t* col_coefficients,
       bool after_products) const {
-    const at::Tensor weights = weight_space.narrow(0, 0, strip.rows * strip.cols).view({strip.rows, strip.cols});
+    const SplitMatrix weights = strip_weights(weight_space, small_weight_space, strip);
     if constexpr (kHasMmaTiles<scalar_t>) {
-      // x over the strip's rows of tiles, the fastest: the CTAs resident at
-      // once share their columns' operand tiles through L2.
-      const dim3 grid(static_cast<unsigned>(tiles(strip.rows)), static_cast<unsigned>(tiles(strip.cols)));
-      launch_kernel(after_products, tile_weights_kernel<scalar_t, AnchorWeightRule<TileUnits<scalar_t>>>, grid, dim3(kMmaThreads),
-                    kMmaSharedBytes, tile_operands(strip),
-                    AnchorWeightRule<TileUnits<scalar_t>>{logit_, row_coefficients, col_coefficients, strip.rows, strip.cols,
-                                     first_column(strip), left_out(strip)},
-                    /*symmetric=*/false, weights.data_ptr<scalar_t>());
+      launch_tile_weights_kernel(after_products, tile_operands(strip),
+                                 AnchorWeightRule<TileUnits<scalar_t>>{logit_, row_coefficients, col_coefficients,
+                                                                       strip.rows, strip.cols, first_column(strip),
+                                                                       left_out(strip)},
+                                 /*symmetric=*/false, weights);
     }
     return weights;
   }

@@ -40,7 +40,9 @@
 //                         pass's W, strip by strip, straight from the tiles
 //                         (W is symmetric: a strip's diagonal block from
 //                         the tiles above its diagonal, stored both ways);
-//                         cuBLAS then multiplies W by F as above. W alone
+//                         cuBLAS then multiplies W by F as above (split
+//                         float32 as three products of W's and F's
+//                         bfloat16 parts, float32_split.cuh). W alone
 //                         leaves strips room for more rows, and wide ones
 //                         are cut into chunks of columns (plan_column_chunks).
 //
@@ -723,16 +725,20 @@ class StripPasses {
         symmetric_(symmetric),
         logit_{static_cast<acc_t>(margin), static_cast<acc_t>(gamma)},
         tensor_cores_(use_tensor_cores(rows, cols)),
-        // With the tensor cores only the weights, in scalar_t, are held.
+        // With the tensor cores only the weights are held, sizeof(scalar_t) an
+        // entry (split float32: two bfloat16 parts).
         strips_(tensor_cores_ ? plan_column_chunks(rows.size(), cols.size(), symmetric, sizeof(scalar_t))
                               : plan_strips(rows.size(), cols.size(), symmetric, sizeof(acc_t))),
         sms_(multiprocessors()) {
-    const int64_t largest = strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols;
-    workspace_ = at::empty({largest}, rows.features.options().dtype(tensor_cores_ ? dtype_of<scalar_t>() : dtype_of<acc_t>()));
     if (tensor_cores_) {
       row_tiles_ = TileFeatures<scalar_t>(rows.features);
       col_tiles_ = symmetric ? row_tiles_ : TileFeatures<scalar_t>(cols.features);
     }
+    const int64_t largest = strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols;
+    // W's big bfloat16 part where the features are split (float32_split.cuh).
+    const at::ScalarType dtype =
+        !tensor_cores_ ? dtype_of<acc_t>() : row_tiles_.split() ? at::kBFloat16 : dtype_of<scalar_t>();
+    workspace_ = at::empty({largest}, rows.features.options().dtype(dtype));
   }
 
   int64_t strip_count() const { return static_cast<int64_t>(strips_.size()); }
@@ -761,6 +767,7 @@ class StripPasses {
   at::Tensor gradient(const at::Tensor& scalars) {
     at::Tensor grad = at::empty({rows_.size(), rows_.features.size(1)}, rows_.features.options().dtype(dtype_of<acc_t>()));
     if (tensor_cores_) {
+      if (row_tiles_.split()) small_workspace_ = at::empty_like(workspace_);
       for (auto strip = strips_.crbegin(); strip != strips_.crend(); ++strip) {
         const bool after_products = strip != strips_.crbegin();
         add_strip_gradient(grad, launch_tile_weights(*strip, scalars.data_ptr<double>(), after_products), *strip,
@@ -774,7 +781,7 @@ class StripPasses {
           ? workspace_.narrow(0, 0, strip->rows * strip->cols).view({strip->rows, strip->cols})
           : strip_similarities(rows_, cols_, *strip, workspace_);
       const at::Tensor weights = launch_weights(*strip, s, weight_space, scalars.data_ptr<double>(), nullptr);
-      add_strip_gradient(grad, weights, *strip, /*accumulate_own=*/false, /*accumulate_below=*/true);
+      add_strip_gradient(grad, {weights, {}}, *strip, /*accumulate_own=*/false, /*accumulate_below=*/true);
     }
     last_strip_in_workspace_ = false;
     return grad;
@@ -815,7 +822,7 @@ class StripPasses {
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
         const at::Tensor weights = launch_weights(strip, s, weight_space, nullptr, negative_max.data_ptr<acc_t>() + k);
-        add_strip_gradient(grad, weights, strip, /*accumulate_own=*/!first, /*accumulate_below=*/!first);
+        add_strip_gradient(grad, {weights, {}}, strip, /*accumulate_own=*/!first, /*accumulate_below=*/!first);
       }
     }
     // Past the strips S's workspace is free for the positive pairs' partials.
@@ -883,21 +890,18 @@ class StripPasses {
     return partials;
   }
 
-  // tile_weights_kernel over a strip; returns its (rows, cols) weights.
-  // after_products: the stream's last kernels are the products of the
-  // previous strip's W, of which the kernel is made a dependent.
-  at::Tensor launch_tile_weights(const Strip& strip, const double* scalars, bool after_products) {
-    const at::Tensor weights = workspace_.narrow(0, 0, strip.rows * strip.cols).view({strip.rows, strip.cols});
+  // tile_weights_kernel over a strip; returns its (rows, cols) weights,
+  // split where the features are. after_products: the stream's last kernels
+  // are the products of the previous strip's W, of which the kernel is made
+  // a dependent.
+  SplitMatrix launch_tile_weights(const Strip& strip, const double* scalars, bool after_products) {
+    const SplitMatrix weights = strip_weights(workspace_, small_workspace_, strip);
     if constexpr (kHasMmaTiles<scalar_t>) {
-      // x over the strip's rows of tiles, the fastest: the CTAs resident at
-      // once share their columns' operand tiles through L2.
-      const dim3 grid(static_cast<unsigned>(tiles(strip.rows)), static_cast<unsigned>(tiles(strip.cols)));
-      launch_kernel(after_products, tile_weights_kernel<scalar_t, GlobalWeightRule<TileUnits<scalar_t>>>, grid, dim3(kMmaThreads),
-                    kMmaSharedBytes,
-                    make_tile_operands(row_tiles_.rows().from(strip.row0), row_labels(strip), strip.rows,
-                                       col_tiles_.cols().from(strip.col0), col_labels(strip), strip.cols),
-                    GlobalWeightRule<TileUnits<scalar_t>>{logit_, scalars}, symmetric_ && strip.col0 == strip.row0,
-                    weights.data_ptr<scalar_t>());
+      launch_tile_weights_kernel(after_products,
+                                 make_tile_operands(row_tiles_.rows().from(strip.row0), row_labels(strip), strip.rows,
+                                                    col_tiles_.cols().from(strip.col0), col_labels(strip), strip.cols),
+                                 GlobalWeightRule<TileUnits<scalar_t>>{logit_, scalars},
+                                 symmetric_ && strip.col0 == strip.row0, weights);
     }
     return weights;
   }
@@ -947,23 +951,23 @@ class StripPasses {
 
   // grad[strip's rows] = (accumulate_own: +=) weights·cols[strip's columns];
   // symmetric: grad[the strip's columns right of its diagonal block] =
-  // (accumulate_below: +=) their weightsᵀ·rows[strip's rows].
+  // (accumulate_below: +=) their weightsᵀ·rows[strip's rows]. Split weights
+  // take the features split as the tiles took them.
   void add_strip_gradient(
       at::Tensor& grad,
-      const at::Tensor& weights,
+      const SplitMatrix& weights,
       const Strip& strip,
       bool accumulate_own,
       bool accumulate_below) const {
-    const auto write = [](bool accumulate, const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
-      accumulate ? matmul_add(out, a, b) : matmul_into(out, a, b);
-    };
-    write(accumulate_own, grad.narrow(0, strip.row0, strip.rows), weights, cols_.features.narrow(0, strip.col0, strip.cols));
+    const SplitMatrix rows = tensor_cores_ ? row_tiles_.parts() : SplitMatrix{rows_.features, {}};
+    const SplitMatrix cols = tensor_cores_ ? col_tiles_.parts() : SplitMatrix{cols_.features, {}};
+    split_matmul(grad.narrow(0, strip.row0, strip.rows), weights, cols.narrow(0, strip.col0, strip.cols), accumulate_own);
     if (symmetric_ && strip.mirrored() > 0) {
-      write(
-          accumulate_below,
+      split_matmul(
           grad.narrow(0, strip.first_mirrored(), strip.mirrored()),
           weights.narrow(1, strip.first_mirrored() - strip.col0, strip.mirrored()).t(),
-          rows_.features.narrow(0, strip.row0, strip.rows));
+          rows.narrow(0, strip.row0, strip.rows),
+          accumulate_below);
     }
   }
 
@@ -976,7 +980,8 @@ class StripPasses {
   TileFeatures<scalar_t> col_tiles_;
   std::vector<Strip> strips_;
   int sms_;
-  at::Tensor workspace_; // (largest strip,): S in acc_t, or with tensor_cores_ the weights in scalar_t
+  at::Tensor workspace_; // (largest strip,): S in acc_t, or with tensor_cores_ the weights in scalar_t (split: W's big bfloat16 part)
+  at::Tensor small_workspace_; // (largest strip,): with split features, W's small bfloat16 part
   bool last_strip_in_workspace_ = false;
 };
 

@@ -24,6 +24,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "float32_split.cuh"
 
 #include <ATen/Context.h>
 #include <ATen/ops/empty.h>
@@ -71,21 +72,6 @@ __host__ __device__ constexpr int64_t tiles(int64_t n) { return (n + kMmaTile - 
 template <typename T>
 constexpr bool kHasMmaTiles =
     std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>;
-
-// Whether cuBLAS runs float32 GEMMs in TF32 on this thread now: the test
-// ATen makes before each one.
-inline bool cublas_may_use_tf32() {
-  return at::globalContext().allowTF32CuBLAS() && !at::NoTF32Guard::should_disable_tf32();
-}
-
-// Whether the tiles take float32 features split into TF32 parts (3×TF32,
-// TileFeatures): wherever the user has not let matmuls use TF32 as above,
-// since gamma amplifies TF32's rounding of S in the loss (the default,
-// "highest", keeps float32's accuracy).
-template <typename T>
-inline bool splits_to_tf32() {
-  return std::is_same_v<T, float> && !cublas_may_use_tf32();
-}
 
 // Whether the tiles can take these features (n, D): a dtype they multiply,
 // with rows of whole 16-byte chunks from an aligned start, or float32 that
@@ -320,73 +306,35 @@ TileOperands<T> make_tile_operands(
   return in;
 }
 
-// x rounded to TF32's 10-bit mantissa, to nearest, ties away from zero: a
-// float32 whose low 13 bits are 0, which the tensor cores read exactly.
-// Infinities and NaNs pass unchanged.
-__device__ __forceinline__ float round_to_tf32(float x) {
-  uint32_t bits = __float_as_uint(x);
-  if ((bits & 0x7f800000u) != 0x7f800000u) bits = (bits + 0x1000u) & 0xffffe000u;
-  return __uint_as_float(bits);
-}
-
-// features (n, dim) into split (n, 4 · width), each row [big | small | big |
-// big] with big = round_to_tf32(x) and small = round_to_tf32(x - big), zeros
-// from dim to width in each part (TileFeatures).
-__global__ void split_to_tf32_kernel(
-    const float* __restrict__ features,
-    int64_t n,
-    int64_t dim,
-    int64_t width,
-    float* __restrict__ split) {
-  const int64_t total = n * width;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = i / width;
-    const int64_t k = i % width;
-    float big = 0.0f;
-    float small = 0.0f;
-    if (k < dim) {
-      const float x = features[row * dim + k];
-      big = round_to_tf32(x);
-      small = round_to_tf32(x - big);
-    }
-    float* out = split + row * 4 * width + k;
-    out[0] = big;
-    out[width] = small;
-    out[2 * width] = big;
-    out[3 * width] = big;
-  }
-}
-
 // Features (n, D) as the tiles take them: both sides the features themselves,
-// or for float32 where splits_to_tf32, 3×TF32 parts that keep float32's
-// accuracy on TF32 tensor cores. Each x = big + small + e, big and small as
-// split_to_tf32_kernel makes them, |small| ≤ 2^-11·|x| and |e| ≤ 2^-22·|x|;
-//   x_i · x_j = small_i·big_j + big_i·small_j + big_i·big_j + (below 2^-20 of |x_i|·|x_j|),
-// which is one product over K = 3·D: the rows side [small | big | big]
-// against the columns side [big | small | big], both views of one (n, 4·D)
-// buffer [big | small | big | big] (D rounded up to whole 16-byte chunks,
-// zeros beyond it), the small products first. The sum is symmetric in i
-// and j as x_i · x_j is, so symmetric products may keep one of two tiles.
+// or for float32 where splits_to_tf32, split into TF32 parts
+// (float32_split.cuh) as one product over K = 3·D: the rows side [small | big | big] against the
+// columns side [big | small | big], both views of one (n, 4·D) buffer [big |
+// small | big | big] (D rounded up to whole 16-byte chunks, zeros beyond it),
+// the small products first. The sum is symmetric in i and j as x_i · x_j is,
+// so symmetric products may keep one of two tiles.
 template <typename T>
 class TileFeatures {
  public:
   TileFeatures() = default;
 
   // features: (n, D) contiguous, such that tiles_take<T>(features).
-  explicit TileFeatures(const at::Tensor& features) : storage_(features), width_(features.size(1)) {
+  explicit TileFeatures(const at::Tensor& features)
+      : storage_(features), dim_(features.size(1)), width_(features.size(1)) {
     if constexpr (std::is_same_v<T, float>) {
       if (!splits_to_tf32<T>()) return;
       constexpr int64_t kChunk = 16 / sizeof(float);
       const int64_t n = features.size(0);
-      width_ = (features.size(1) + kChunk - 1) / kChunk * kChunk;
+      width_ = (dim_ + kChunk - 1) / kChunk * kChunk;
       split_ = true;
       storage_ = at::empty({n, kSplitParts * width_}, features.options());
+      products_ = at::empty({n, 2 * dim_}, features.options().dtype(at::kBFloat16));
       const int64_t total = n * width_;
       if (total == 0) return;
       const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 8 * multiprocessors());
-      split_to_tf32_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          features.data_ptr<float>(), n, features.size(1), width_, storage_.data_ptr<float>());
+      split_float32_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+          features.data_ptr<float>(), n, dim_, width_, storage_.data_ptr<float>(),
+          products_.data_ptr<c10::BFloat16>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
@@ -394,6 +342,15 @@ class TileFeatures {
   // The side that stands for rows, and for columns, of S = rows · colsᵀ.
   TileSide<T> rows() const { return side(split_ ? width_ : 0); }
   TileSide<T> cols() const { return side(0); }
+
+  bool split() const { return split_; }
+
+  // The features (n, D) as the gradient's products take them: in bfloat16
+  // parts where the tiles' are split, else whole.
+  SplitMatrix parts() const {
+    if (!split_) return {storage_, at::Tensor()};
+    return {products_.narrow(1, 0, dim_), products_.narrow(1, dim_, dim_)};
+  }
 
  private:
   static constexpr int64_t kSplitParts = 4;
@@ -404,6 +361,8 @@ class TileFeatures {
   }
 
   at::Tensor storage_; // the features, or their split (n, 4 · width_)
+  at::Tensor products_; // split: the features' bfloat16 parts (n, 2 · D), [big | small]
+  int64_t dim_ = 0; // D
   int64_t width_ = 0; // features a row of each part
   bool split_ = false;
 };
@@ -1004,18 +963,20 @@ struct alignas(8) TileLabels {
 // and the ones above store their tile's transpose too. Launched as a
 // dependent of the products that read the previous strip's W from the same
 // memory, a CTA forms its tile while they finish and waits only before it
-// stores.
-template <typename T, typename Rule>
+// stores. W goes out in the features' dtype, or for split float32 in
+// bfloat16 parts (Out, float32_split.cuh): W rounded to Out to weights,
+// what that rounding leaves to small_weights.
+template <typename T, typename Rule, typename Out = T>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
     const __grid_constant__ TileOperands<T> in,
     const Rule rule,
     bool symmetric,
-    T* __restrict__ weights) { // (R, C)
+    Out* __restrict__ weights, // (R, C)
+    Out* __restrict__ small_weights) { // (R, C) where Out is not T, else unused
+  constexpr bool kParts = !std::is_same_v<Out, T>;
   extern __shared__ __align__(128) unsigned char stages[];
   constexpr int kStride = kMmaTile + 8; // padded rows of the staged tile: its writes avoid bank conflicts
-  static_assert(kStride * sizeof(T) % 16 == 0, "staged rows start 16-byte aligned");
-  static_assert(kMmaTile * kStride * sizeof(T) <= kMmaSharedBytes - kStageAlignment,
-                "the staged tile fits in the stages");
+  static_assert(kStride * sizeof(Out) % 16 == 0, "staged rows start 16-byte aligned");
   if (symmetric && blockIdx.y < blockIdx.x) return;
   const int64_t row0 = blockIdx.x * static_cast<int64_t>(kMmaTile);
   const int64_t col0 = blockIdx.y * static_cast<int64_t>(kMmaTile);
@@ -1048,30 +1009,42 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
   }
   wait_for_prerequisites();
   // The tile, or its transpose, through shared memory to W's rows from
-  // out_row0 and columns from out_col0, those before row_end and col_end.
-  T* staged = stage_memory<T>(stages);
-  const bool whole_chunks = in.n_cols % kVec<T> == 0 && reinterpret_cast<uintptr_t>(weights) % 16 == 0;
-  const auto store = [&](bool transposed, int64_t out_row0, int64_t out_col0, int64_t row_end, int64_t col_end) {
-    __syncthreads(); // every warp is done with the stages, or with the staged tile
-    tile.for_each([&](float w, int r, int c, int) {
-      staged[transposed ? c * kStride + r : r * kStride + c] = static_cast<T>(w);
-    });
-    __syncthreads();
-    constexpr int kChunks = kMmaTile * kMmaTile / kVec<T>;
+  // out_row0 and columns from out_col0, those before row_end and col_end
+  // (with kParts both parts, each staged tile beside the other).
+  Out* staged = stage_memory<Out>(stages);
+  Out* staged_small = staged + kMmaTile * kStride;
+  static_assert((kParts ? 2 : 1) * kMmaTile * kStride * sizeof(Out) <= kMmaSharedBytes - kStageAlignment,
+                "the staged tiles fit in the stages");
+  const bool whole_chunks = in.n_cols % kVec<Out> == 0 && reinterpret_cast<uintptr_t>(weights) % 16 == 0 &&
+      (!kParts || reinterpret_cast<uintptr_t>(small_weights) % 16 == 0);
+  const auto copy_out = [&](const Out* tile_in, Out* out, int64_t out_row0, int64_t out_col0, int64_t row_end,
+                            int64_t col_end) {
+    constexpr int kChunks = kMmaTile * kMmaTile / kVec<Out>;
     for (int q = threadIdx.x; q < kChunks; q += kMmaThreads) {
-      const int row = q / (kMmaTile / kVec<T>);
-      const int col = q % (kMmaTile / kVec<T>) * kVec<T>;
+      const int row = q / (kMmaTile / kVec<Out>);
+      const int col = q % (kMmaTile / kVec<Out>) * kVec<Out>;
       const int64_t r = out_row0 + row;
       const int64_t c = out_col0 + col;
       if (r >= row_end || c >= col_end) continue;
-      const T* from = staged + row * kStride + col; // 16-byte aligned: kStride · sizeof(T) is a multiple of 16
-      T* to = weights + r * in.n_cols + c;
-      if (whole_chunks && c + kVec<T> <= col_end) {
-        *reinterpret_cast<Packed<T, kVec<T>>*>(to) = *reinterpret_cast<const Packed<T, kVec<T>>*>(from);
+      const Out* from = tile_in + row * kStride + col; // 16-byte aligned: kStride · sizeof(Out) is a multiple of 16
+      Out* to = out + r * in.n_cols + c;
+      if (whole_chunks && c + kVec<Out> <= col_end) {
+        *reinterpret_cast<Packed<Out, kVec<Out>>*>(to) = *reinterpret_cast<const Packed<Out, kVec<Out>>*>(from);
       } else {
-        for (int v = 0; v < kVec<T> && c + v < col_end; ++v) to[v] = from[v];
+        for (int v = 0; v < kVec<Out> && c + v < col_end; ++v) to[v] = from[v];
       }
     }
+  };
+  const auto store = [&](bool transposed, int64_t out_row0, int64_t out_col0, int64_t row_end, int64_t col_end) {
+    __syncthreads(); // every warp is done with the stages, or with the staged tiles
+    tile.for_each([&](float w, int r, int c, int) {
+      const int at = transposed ? c * kStride + r : r * kStride + c;
+      staged[at] = rounded_part<Out>(w, false);
+      if constexpr (kParts) staged_small[at] = rounded_part<Out>(w, true);
+    });
+    __syncthreads();
+    copy_out(staged, weights, out_row0, out_col0, row_end, col_end);
+    if constexpr (kParts) copy_out(staged_small, small_weights, out_row0, out_col0, row_end, col_end);
   };
   store(false, row0, col0, in.n_rows, in.n_cols);
   // Row col0 + c of the strip is its column col0 + c.
@@ -1092,6 +1065,32 @@ inline bool mma_tiles_built() {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMmaSharedBytes));
     return true;
   });
+}
+
+// tile_weights_kernel over a strip into weights (R, C): W whole in the
+// features' dtype, or split float32's bfloat16 parts. dependent: as
+// launch_kernel's.
+template <typename T, typename Rule>
+void launch_tile_weights_kernel(
+    bool dependent,
+    const TileOperands<T>& in,
+    const Rule& rule,
+    bool symmetric,
+    const SplitMatrix& weights) {
+  // x over the strip's rows of tiles, the fastest: the CTAs resident at once
+  // share their columns' operand tiles through L2.
+  const dim3 grid(static_cast<unsigned>(tiles(in.n_rows)), static_cast<unsigned>(tiles(in.n_cols)));
+  if constexpr (std::is_same_v<T, float>) {
+    if (weights.split()) {
+      constexpr auto kernel = tile_weights_kernel<T, Rule, c10::BFloat16>;
+      TORCH_INTERNAL_ASSERT(mma_tiles_built<kernel>());
+      launch_kernel(dependent, kernel, grid, dim3(kMmaThreads), kMmaSharedBytes, in, rule, symmetric,
+                    weights.big.data_ptr<c10::BFloat16>(), weights.small.data_ptr<c10::BFloat16>());
+      return;
+    }
+  }
+  launch_kernel(dependent, tile_weights_kernel<T, Rule>, grid, dim3(kMmaThreads), kMmaSharedBytes, in, rule, symmetric,
+                weights.big.data_ptr<T>(), static_cast<T*>(nullptr));
 }
 
 } // namespace

@@ -1,0 +1,125 @@
+// float32 on the tensor cores at float32's accuracy, where the user has not
+// let float32 matmuls use TF32 (splits_to_tf32). Two splits:
+//   S, on the tiles (TileFeatures, mma_tiles.cuh): each x = big + small + e,
+//     big = x rounded to TF32 and small = (x - big) rounded to TF32, so that
+//     |small| ≤ 2^-11·|x| and |e| ≤ 2^-22·|x|; then
+//       x · y = small_x·big_y + big_x·small_y + big_x·big_y + (below 2^-20 of |x|·|y|),
+//     three TF32 products whose operands the tensor cores read exactly; the
+//     loss's gamma amplifies S's error, so S keeps float32's.
+//   G = W·F, by cuBLAS (split_matmul): W and F split alike into bfloat16
+//     parts (|e| ≤ 2^-16·|x|), three bfloat16 GEMMs with float32 results.
+//     The tensor cores' float32 accumulation over K, not the parts, bounds
+//     their error (bench/NOTES.md), and PyTorch offers no TF32 GEMM the
+//     user has not allowed.
+#pragma once
+
+#include "strips.cuh"
+
+#include <ATen/Context.h>
+#include <c10/util/BFloat16.h>
+
+#include <type_traits>
+
+namespace circle_loss {
+namespace {
+
+// Whether cuBLAS runs float32 GEMMs in TF32 on this thread now: the test
+// ATen makes before each one.
+inline bool cublas_may_use_tf32() {
+  return at::globalContext().allowTF32CuBLAS() && !at::NoTF32Guard::should_disable_tf32();
+}
+
+// Whether float32 features are split: wherever the user has not let
+// matmuls use TF32 as above (the default, "highest", keeps float32's
+// accuracy).
+template <typename T>
+inline bool splits_to_tf32() {
+  return std::is_same_v<T, float> && !cublas_may_use_tf32();
+}
+
+// x rounded to TF32's 10-bit mantissa, to nearest, ties away from zero: a
+// float32 whose low 13 bits are 0, which the tensor cores read exactly.
+// Infinities and NaNs pass unchanged.
+__device__ __forceinline__ float round_to_tf32(float x) {
+  uint32_t bits = __float_as_uint(x);
+  if ((bits & 0x7f800000u) != 0x7f800000u) bits = (bits + 0x1000u) & 0xffffe000u;
+  return __uint_as_float(bits);
+}
+
+// x rounded to Out, or with residual what that rounding leaves of x,
+// rounded to Out: the big and the small part of x.
+template <typename Out>
+__device__ __forceinline__ Out rounded_part(float x, bool residual) {
+  const Out big = static_cast<Out>(x);
+  return residual ? static_cast<Out>(x - static_cast<float>(big)) : big;
+}
+
+// features (n, dim) into split (n, 4 · width), each row [big | small | big |
+// big] of TF32 parts, zeros from dim to width in each part (TileFeatures),
+// and into products (n, 2 · dim), each row [big | small] of bfloat16 parts.
+__global__ void split_float32_kernel(
+    const float* __restrict__ features,
+    int64_t n,
+    int64_t dim,
+    int64_t width,
+    float* __restrict__ split,
+    c10::BFloat16* __restrict__ products) {
+  const int64_t total = n * width;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / width;
+    const int64_t k = i % width;
+    float big = 0.0f;
+    float small = 0.0f;
+    if (k < dim) {
+      const float x = features[row * dim + k];
+      big = round_to_tf32(x);
+      small = round_to_tf32(x - big);
+      c10::BFloat16* parts = products + row * 2 * dim + k;
+      parts[0] = rounded_part<c10::BFloat16>(x, false);
+      parts[dim] = rounded_part<c10::BFloat16>(x, true);
+    }
+    float* out = split + row * 4 * width + k;
+    out[0] = big;
+    out[width] = small;
+    out[2 * width] = big;
+    out[3 * width] = big;
+  }
+}
+
+// An operand of the gradient's products: the matrix itself (small
+// undefined), or float32 split into bfloat16 parts, big + small. Views
+// (narrow, t) apply to both parts.
+struct SplitMatrix {
+  at::Tensor big;
+  at::Tensor small;
+
+  bool split() const { return small.defined(); }
+  SplitMatrix narrow(int64_t dim, int64_t start, int64_t length) const {
+    return {big.narrow(dim, start, length), split() ? small.narrow(dim, start, length) : small};
+  }
+  SplitMatrix t() const { return {big.t(), split() ? small.t() : small}; }
+};
+
+// A strip's W (rows, cols) from the start of its workspaces: whole in
+// space, or split into space and small_space where that is defined.
+inline SplitMatrix strip_weights(const at::Tensor& space, const at::Tensor& small_space, const Strip& strip) {
+  const auto view = [&](const at::Tensor& s) { return s.narrow(0, 0, strip.rows * strip.cols).view({strip.rows, strip.cols}); };
+  return {view(space), small_space.defined() ? view(small_space) : small_space};
+}
+
+// out = a · b, or with accumulate out += a · b, in out's dtype: split
+// operands (both or neither) as three products, the small ones first.
+inline void split_matmul(const at::Tensor& out, const SplitMatrix& a, const SplitMatrix& b, bool accumulate) {
+  TORCH_INTERNAL_ASSERT(a.split() == b.split());
+  if (!a.split()) {
+    accumulate ? matmul_add(out, a.big, b.big) : matmul_into(out, a.big, b.big);
+    return;
+  }
+  accumulate ? matmul_add(out, a.small, b.big) : matmul_into(out, a.small, b.big);
+  matmul_add(out, a.big, b.small);
+  matmul_add(out, a.big, b.big);
+}
+
+} // namespace
+} // namespace circle_loss
