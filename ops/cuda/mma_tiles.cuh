@@ -308,11 +308,13 @@ TileOperands<T> make_tile_operands(
 
 // Features (n, D) as the tiles take them: both sides the features themselves,
 // or for float32 where splits_to_tf32, split into TF32 parts
-// (float32_split.cuh) as one product over K = 3·D: the rows side [small | big | big] against the
-// columns side [big | small | big], both views of one (n, 4·D) buffer [big |
-// small | big | big] (D rounded up to whole 16-byte chunks, zeros beyond it),
-// the small products first. The sum is symmetric in i and j as x_i · x_j is,
-// so symmetric products may keep one of two tiles.
+// (float32_split.cuh) as one product over K = 3·D: the rows side [small |
+// big | big] against the columns side [big | small | big], both views of one
+// (n, 4·D) buffer [big | small | big | big] (D rounded up to whole 16-byte
+// chunks, zeros beyond it), the small products first. The sum is symmetric
+// in i and j as x_i · x_j is, so symmetric products may keep one of two
+// tiles. Split features also keep their bfloat16 parts for the gradient's
+// products (parts()).
 template <typename T>
 class TileFeatures {
  public:
