@@ -32,11 +32,13 @@ def assert_op_matches_reference(batch, dim, classes, dtype):
         assert torch.equal(torch.ops.circle.loss(features, labels), loss)
 
 
-# 4500: several strips (below); bfloat16: the tensor-core tiles
-@pytest.mark.parametrize("batch,dtype", [(1, torch.float32), (200, torch.float32), (700, torch.float32),
-                                         (4500, torch.float32), (4500, torch.bfloat16)])
-def test_cuda_graph_capture_and_replay(batch, dtype):
-    static_x, static_y = make_inputs(batch, 48, 9, "cuda", dtype)
+# 4500: several strips (below); float32 at D = 256: the gradient's products
+# in bfloat16 parts (B·B·D ≥ 2^32); bfloat16: the tensor-core tiles
+@pytest.mark.parametrize("batch,dim,dtype", [(1, 48, torch.float32), (200, 48, torch.float32),
+                                             (700, 48, torch.float32), (4500, 48, torch.float32),
+                                             (4500, 256, torch.float32), (4500, 48, torch.bfloat16)])
+def test_cuda_graph_capture_and_replay(batch, dim, dtype):
+    static_x, static_y = make_inputs(batch, dim, 9, "cuda", dtype)
     static_x.requires_grad_()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -48,7 +50,7 @@ def test_cuda_graph_capture_and_replay(batch, dtype):
     with torch.cuda.graph(graph):  # raises if anything synchronises with the host
         static_loss, static_grad = loss_and_grad(static_x, static_y)
     for _ in range(2):  # fresh data through the same graph
-        x, y = make_inputs(batch, 48, 9, "cuda", dtype)
+        x, y = make_inputs(batch, dim, 9, "cuda", dtype)
         with torch.no_grad():
             static_x.copy_(x)
         static_y.copy_(y)
@@ -57,11 +59,13 @@ def test_cuda_graph_capture_and_replay(batch, dtype):
         assert_matches_reference(static_loss, static_grad, x, y)
 
 
-# the small-batch path, one strip, several; bfloat16: the tensor-core tiles
-@pytest.mark.parametrize("batch,dtype", [(300, torch.float32), (1500, torch.float32), (4500, torch.float32),
-                                         (4500, torch.bfloat16)])
-def test_bitwise_deterministic_across_streams(batch, dtype):
-    features, labels = make_inputs(batch, 96, 30, "cuda", dtype)
+# the small-batch path, one strip, several, float32's products in bfloat16
+# parts (B·B·D ≥ 2^32); bfloat16: the tensor-core tiles
+@pytest.mark.parametrize("batch,dim,dtype", [(300, 96, torch.float32), (1500, 96, torch.float32),
+                                             (4500, 96, torch.float32), (4500, 256, torch.float32),
+                                             (4500, 96, torch.bfloat16)])
+def test_bitwise_deterministic_across_streams(batch, dim, dtype):
+    features, labels = make_inputs(batch, dim, 30, "cuda", dtype)
     features.requires_grad_()
     expected = loss_and_grad(features, labels)
     for _ in range(3):
@@ -155,9 +159,11 @@ def test_several_strips_rows_of_partial_runs():
 # alone miss by far (test_several_strips_with_tf32 below). The split pads
 # its rows to whole 16-byte chunks, so widths that are no multiple of 4
 # (30, 61) and rows that start off a 16-byte boundary (offset) take the
-# tiles as well; 4500 rows: two strips of W; two classes: many positive pairs.
+# tiles as well; 4500 rows: two strips of W; two classes: many positive
+# pairs; B·B·D ≥ 2^32 (4500 × 256): the gradient's products in bfloat16 parts.
 @pytest.mark.parametrize("batch,dim,classes,offset", [(600, 8, 13, 0), (1027, 200, 13, 0), (4500, 30, 2, 0),
-                                                      (900, 61, 7, 1), (4500, 24, 60, 1)])
+                                                      (900, 61, 7, 1), (4500, 24, 60, 1), (4500, 256, 13, 0),
+                                                      (4500, 250, 2, 1)])
 @pytest.mark.sanitize
 def test_float32_split_tiles_match_reference(batch, dim, classes, offset):
     from test_anchor_loss import assert_anchor_matches_reference
@@ -409,21 +415,24 @@ def test_anchor_loss_with_tf32(batch, dim, refs, monkeypatch):
         assert relative_error(grad_r, ref_r) <= 5e-2
 
 
-# (B, M or None, whether the references need a gradient, dtype): cuBLAS's
+# (B, M or None, whether the references need a gradient, dtype, D): cuBLAS's
 # strips for float64 and against a bank (references that need no gradient),
-# the tensor-core tiles otherwise, float32 split into TF32 parts.
-ANCHOR_CASES = {"small": (200, None, False, torch.float32), "self strips": (4500, None, False, torch.float64),
-                "reference strips": (300, 140_000, True, torch.float64),
-                "bank strips": (300, 140_000, False, torch.float32),
-                "self split tiles": (4500, None, False, torch.float32),
-                "self tiles": (9000, None, False, torch.bfloat16),
-                "reference tiles": (1000, 140_000, True, torch.bfloat16)}
+# the tensor-core tiles otherwise, float32 split into TF32 parts, and at
+# B·B·D ≥ 2^32 the gradient's products in bfloat16 parts.
+ANCHOR_CASES = {"small": (200, None, False, torch.float32, 16),
+                "self strips": (4500, None, False, torch.float64, 16),
+                "reference strips": (300, 140_000, True, torch.float64, 16),
+                "bank strips": (300, 140_000, False, torch.float32, 16),
+                "self split tiles": (4500, None, False, torch.float32, 16),
+                "self split tiles, products in parts": (4500, None, False, torch.float32, 256),
+                "self tiles": (9000, None, False, torch.bfloat16, 16),
+                "reference tiles": (1000, 140_000, True, torch.bfloat16, 16)}
 
 
-def anchor_case_inputs(batch, refs, ref_grad, dtype):
+def anchor_case_inputs(batch, refs, ref_grad, dtype, dim):
     """Features (requiring grad) and labels, and a reference set where refs is given."""
-    x, y = make_inputs(batch, 16, 7, "cuda", dtype)
-    r, ry = make_inputs(refs, 16, 7, "cuda", dtype) if refs else (None, None)
+    x, y = make_inputs(batch, dim, 7, "cuda", dtype)
+    r, ry = make_inputs(refs, dim, 7, "cuda", dtype) if refs else (None, None)
     x.requires_grad_()
     if r is not None:
         r.requires_grad_(ref_grad)
@@ -432,8 +441,8 @@ def anchor_case_inputs(batch, refs, ref_grad, dtype):
 
 @pytest.mark.parametrize("case", list(ANCHOR_CASES))
 def test_anchor_loss_graph_capture_and_replay(case):
-    batch, refs, ref_grad, dtype = ANCHOR_CASES[case]
-    x, y, r, ry = anchor_case_inputs(batch, refs, ref_grad, dtype)
+    batch, refs, ref_grad, dtype, dim = ANCHOR_CASES[case]
+    x, y, r, ry = anchor_case_inputs(batch, refs, ref_grad, dtype, dim)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -445,8 +454,8 @@ def test_anchor_loss_graph_capture_and_replay(case):
         captured = anchor_loss_and_grads(x, y, r, ry)
     for _ in range(2):  # fresh data through the same graph
         with torch.no_grad():
-            x.copy_(make_inputs(batch, 16, 7, "cuda", dtype)[0])
-        y.copy_(make_inputs(batch, 16, 7, "cuda", dtype)[1])
+            x.copy_(make_inputs(batch, dim, 7, "cuda", dtype)[0])
+        y.copy_(make_inputs(batch, dim, 7, "cuda", dtype)[1])
         graph.replay()
         torch.cuda.synchronize()
         eager = anchor_loss_and_grads(x, y, r, ry)
@@ -455,8 +464,8 @@ def test_anchor_loss_graph_capture_and_replay(case):
 
 @pytest.mark.parametrize("case", list(ANCHOR_CASES))
 def test_anchor_loss_bitwise_deterministic_across_streams(case):
-    batch, refs, ref_grad, dtype = ANCHOR_CASES[case]
-    x, y, r, ry = anchor_case_inputs(batch, refs, ref_grad, dtype)
+    batch, refs, ref_grad, dtype, dim = ANCHOR_CASES[case]
+    x, y, r, ry = anchor_case_inputs(batch, refs, ref_grad, dtype, dim)
     expected = anchor_loss_and_grads(x, y, r, ry)
     for _ in range(3):
         stream = torch.cuda.Stream()

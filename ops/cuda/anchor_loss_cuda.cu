@@ -703,7 +703,7 @@ class AnchorPasses {
     at::Tensor states = at::empty({batch, PairStates<acc_t>::kValues}, accumulation_);
     acc_t* state = states.data_ptr<acc_t>();
     if (tensor_cores_) {
-      take_tile_features();
+      take_tile_features(/*for_gradient=*/false);
       reduce_on_tiles(state);
     } else {
       for (const Strip& strip : strips_) {
@@ -760,16 +760,16 @@ class AnchorPasses {
       return {grad_q, grad_r};
     }
     const std::vector<Strip> strips = gradient_strips();
-    if (tensor_cores_) take_tile_features();
+    if (tensor_cores_) take_tile_features(/*for_gradient=*/true);
     const int64_t largest = strips.front().rows * strips.front().cols;
-    // W in bfloat16 parts where the tiles take split features
-    // (float32_split.cuh); the products then take the features' parts too.
-    const bool split = tensor_cores_ && q_tiles_.split();
-    const at::Tensor weight_space = split ? at::empty({largest}, q_.features.options().dtype(at::kBFloat16))
-                                          : make_weight_space(largest, /*over_similarities=*/!tensor_cores_);
-    const at::Tensor small_weight_space = split ? at::empty_like(weight_space) : at::Tensor();
-    const SplitMatrix q = split ? q_tiles_.parts() : SplitMatrix{q_.features, {}};
-    const SplitMatrix r = split ? r_tiles_.parts() : SplitMatrix{r_.features, {}};
+    // W in bfloat16 parts where the products take the features' parts
+    // (float32_split.cuh).
+    const bool in_parts = tensor_cores_ && q_tiles_.has_parts();
+    const at::Tensor weight_space = in_parts ? at::empty({largest}, q_.features.options().dtype(at::kBFloat16))
+                                             : make_weight_space(largest, /*over_similarities=*/!tensor_cores_);
+    const at::Tensor small_weight_space = in_parts ? at::empty_like(weight_space) : at::Tensor();
+    const SplitMatrix q = in_parts ? q_tiles_.parts() : SplitMatrix{q_.features, {}};
+    const SplitMatrix r = in_parts ? r_tiles_.parts() : SplitMatrix{r_.features, {}};
     // Last strip first: a strip writes its own rows before any earlier one
     // adds its mirrored share to them; with a reference set the last strip's
     // chunks write dR, the earlier ones add to it.
@@ -864,10 +864,11 @@ class AnchorPasses {
 
   // Q and R as the tensor-core kernels take them, for tile_operands; made
   // by the passes that use them (a split of float32 features takes 4·D a
-  // row).
-  void take_tile_features() {
-    q_tiles_ = TileFeatures<scalar_t>(q_.features);
-    r_tiles_ = self_ ? q_tiles_ : TileFeatures<scalar_t>(r_.features);
+  // row, and 2·D more where for_gradient's products take parts).
+  void take_tile_features(bool for_gradient) {
+    const bool with_parts = for_gradient && products_take_parts(q_.size(), r_.size(), q_.dim());
+    q_tiles_ = TileFeatures<scalar_t>(q_.features, with_parts);
+    r_tiles_ = self_ ? q_tiles_ : TileFeatures<scalar_t>(r_.features, with_parts);
   }
 
   // The strip's two sides as the tensor-core kernels take them.

@@ -719,7 +719,10 @@ class StripPasses {
  public:
   using acc_t = at::opmath_type<scalar_t>;
 
-  StripPasses(const KernelRows& rows, const KernelRows& cols, bool symmetric, double margin, double gamma)
+  // for_gradient: the gradient pass will run (split float32 features then
+  // keep the bfloat16 parts its products take).
+  StripPasses(const KernelRows& rows, const KernelRows& cols, bool symmetric, double margin, double gamma,
+              bool for_gradient)
       : rows_(rows),
         cols_(cols),
         symmetric_(symmetric),
@@ -731,13 +734,14 @@ class StripPasses {
                               : plan_strips(rows.size(), cols.size(), symmetric, sizeof(acc_t))),
         sms_(multiprocessors()) {
     if (tensor_cores_) {
-      row_tiles_ = TileFeatures<scalar_t>(rows.features);
-      col_tiles_ = symmetric ? row_tiles_ : TileFeatures<scalar_t>(cols.features);
+      const bool with_parts = for_gradient && products_take_parts(rows.size(), cols.size(), rows.dim());
+      row_tiles_ = TileFeatures<scalar_t>(rows.features, with_parts);
+      col_tiles_ = symmetric ? row_tiles_ : TileFeatures<scalar_t>(cols.features, with_parts);
     }
     const int64_t largest = strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols;
-    // W's big bfloat16 part where the features are split (float32_split.cuh).
+    // W's big bfloat16 part where the products take parts (float32_split.cuh).
     const at::ScalarType dtype =
-        !tensor_cores_ ? dtype_of<acc_t>() : row_tiles_.split() ? at::kBFloat16 : dtype_of<scalar_t>();
+        !tensor_cores_ ? dtype_of<acc_t>() : row_tiles_.has_parts() ? at::kBFloat16 : dtype_of<scalar_t>();
     workspace_ = at::empty({largest}, rows.features.options().dtype(dtype));
   }
 
@@ -767,7 +771,7 @@ class StripPasses {
   at::Tensor gradient(const at::Tensor& scalars) {
     at::Tensor grad = at::empty({rows_.size(), rows_.features.size(1)}, rows_.features.options().dtype(dtype_of<acc_t>()));
     if (tensor_cores_) {
-      if (row_tiles_.split()) small_workspace_ = at::empty_like(workspace_);
+      if (row_tiles_.has_parts()) small_workspace_ = at::empty_like(workspace_);
       for (auto strip = strips_.crbegin(); strip != strips_.crend(); ++strip) {
         const bool after_products = strip != strips_.crbegin();
         add_strip_gradient(grad, launch_tile_weights(*strip, scalars.data_ptr<double>(), after_products), *strip,
@@ -980,8 +984,8 @@ class StripPasses {
   TileFeatures<scalar_t> col_tiles_;
   std::vector<Strip> strips_;
   int sms_;
-  at::Tensor workspace_; // (largest strip,): S in acc_t, or with tensor_cores_ the weights in scalar_t (split: W's big bfloat16 part)
-  at::Tensor small_workspace_; // (largest strip,): with split features, W's small bfloat16 part
+  at::Tensor workspace_; // (largest strip,): S in acc_t, or with tensor_cores_ the weights in scalar_t (parts: W's big bfloat16 part)
+  at::Tensor small_workspace_; // (largest strip,): where the products take parts, W's small bfloat16 part
   bool last_strip_in_workspace_ = false;
 };
 
@@ -1014,7 +1018,7 @@ std::tuple<at::Tensor, at::Tensor> loss_and_grad_cuda(
   at::Tensor loss = at::empty({}, features.options());
   at::Tensor grad;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "circle_loss_cuda", [&] {
-    StripPasses<scalar_t> passes(block, block, /*symmetric=*/true, margin, gamma);
+    StripPasses<scalar_t> passes(block, block, /*symmetric=*/true, margin, gamma, with_grad);
     if (!with_grad) {
       loss_scalars(passes, features, loss);
       return;
@@ -1062,7 +1066,7 @@ at::Tensor lse_partials_cuda(
   const KernelRows col_block = kernel_rows(cols, col_labels);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, rows.scalar_type(), "circle_lse_partials_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    StripPasses<scalar_t> passes(row_block, col_block, /*symmetric=*/false, margin, gamma);
+    StripPasses<scalar_t> passes(row_block, col_block, /*symmetric=*/false, margin, gamma, /*for_gradient=*/false);
     const at::Tensor partials = passes.lse_partials();
     launch_finalize<kFinalizeThreads, acc_t, float>(
         partials.data_ptr<acc_t>(), partials.size(0), folded.data_ptr<double>(), nullptr, nullptr);
@@ -1096,7 +1100,7 @@ at::Tensor block_grad_cuda(
   const KernelRows col_block = kernel_rows(cols, col_labels);
   at::Tensor grad;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, rows.scalar_type(), "circle_block_grad_cuda", [&] {
-    StripPasses<scalar_t> passes(row_block, col_block, /*symmetric=*/false, margin, gamma);
+    StripPasses<scalar_t> passes(row_block, col_block, /*symmetric=*/false, margin, gamma, /*for_gradient=*/true);
     grad = passes.gradient(scalars.contiguous());
   });
   return grad;

@@ -37,6 +37,18 @@ inline bool splits_to_tf32() {
   return std::is_same_v<T, float> && !cublas_may_use_tf32();
 }
 
+// Whether the gradient's products take split float32 features in bfloat16
+// parts, three GEMMs a product, rather than whole, one float32 SGEMM: where
+// rows × cols × D, the work of W·F, is at least kPartsWork. The three
+// launches cost the host more than the one; below that size the op is
+// bound by the host, and the SGEMM's longer run is hidden behind it
+// (bench/NOTES.md).
+constexpr double kPartsWork = 4294967296.0; // 2^32: B = 2 896 at D = 512
+
+inline bool products_take_parts(int64_t n_rows, int64_t n_cols, int64_t dim) {
+  return static_cast<double>(n_rows) * static_cast<double>(n_cols) * static_cast<double>(dim) >= kPartsWork;
+}
+
 // x rounded to TF32's 10-bit mantissa, to nearest, ties away from zero: a
 // float32 whose low 13 bits are 0, which the tensor cores read exactly.
 // Infinities and NaNs pass unchanged.
@@ -56,14 +68,15 @@ __device__ __forceinline__ Out rounded_part(float x, bool residual) {
 
 // features (n, dim) into split (n, 4 · width), each row [big | small | big |
 // big] of TF32 parts, zeros from dim to width in each part (TileFeatures),
-// and into products (n, 2 · dim), each row [big | small] of bfloat16 parts.
+// and, where products is not null, into products (n, 2 · dim), each row
+// [big | small] of bfloat16 parts.
 __global__ void split_float32_kernel(
     const float* __restrict__ features,
     int64_t n,
     int64_t dim,
     int64_t width,
     float* __restrict__ split,
-    c10::BFloat16* __restrict__ products) {
+    c10::BFloat16* __restrict__ products) { // or null
   const int64_t total = n * width;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -75,9 +88,11 @@ __global__ void split_float32_kernel(
       const float x = features[row * dim + k];
       big = round_to_tf32(x);
       small = round_to_tf32(x - big);
-      c10::BFloat16* parts = products + row * 2 * dim + k;
-      parts[0] = rounded_part<c10::BFloat16>(x, false);
-      parts[dim] = rounded_part<c10::BFloat16>(x, true);
+      if (products != nullptr) {
+        c10::BFloat16* parts = products + row * 2 * dim + k;
+        parts[0] = rounded_part<c10::BFloat16>(x, false);
+        parts[dim] = rounded_part<c10::BFloat16>(x, true);
+      }
     }
     float* out = split + row * 4 * width + k;
     out[0] = big;

@@ -313,16 +313,19 @@ TileOperands<T> make_tile_operands(
 // (n, 4·D) buffer [big | small | big | big] (D rounded up to whole 16-byte
 // chunks, zeros beyond it), the small products first. The sum is symmetric
 // in i and j as x_i · x_j is, so symmetric products may keep one of two
-// tiles. Split features also keep their bfloat16 parts for the gradient's
-// products (parts()).
+// tiles. Split features made with_parts also keep their bfloat16 parts for
+// the gradient's products (parts()).
 template <typename T>
 class TileFeatures {
  public:
   TileFeatures() = default;
 
   // features: (n, D) contiguous, such that tiles_take<T>(features).
-  explicit TileFeatures(const at::Tensor& features)
-      : storage_(features), dim_(features.size(1)), width_(features.size(1)) {
+  // with_parts: the gradient's products will take split features in
+  // bfloat16 parts (products_take_parts); the pass that needs no products,
+  // or whole ones, is spared writing them.
+  TileFeatures(const at::Tensor& features, bool with_parts)
+      : features_(features), storage_(features), dim_(features.size(1)), width_(features.size(1)) {
     if constexpr (std::is_same_v<T, float>) {
       if (!splits_to_tf32<T>()) return;
       constexpr int64_t kChunk = 16 / sizeof(float);
@@ -330,13 +333,13 @@ class TileFeatures {
       width_ = (dim_ + kChunk - 1) / kChunk * kChunk;
       split_ = true;
       storage_ = at::empty({n, kSplitParts * width_}, features.options());
-      products_ = at::empty({n, 2 * dim_}, features.options().dtype(at::kBFloat16));
+      if (with_parts) products_ = at::empty({n, 2 * dim_}, features.options().dtype(at::kBFloat16));
       const int64_t total = n * width_;
       if (total == 0) return;
       const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 8 * multiprocessors());
       split_float32_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
           features.data_ptr<float>(), n, dim_, width_, storage_.data_ptr<float>(),
-          products_.data_ptr<c10::BFloat16>());
+          with_parts ? products_.data_ptr<c10::BFloat16>() : nullptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
@@ -345,12 +348,14 @@ class TileFeatures {
   TileSide<T> rows() const { return side(split_ ? width_ : 0); }
   TileSide<T> cols() const { return side(0); }
 
-  bool split() const { return split_; }
+  // Whether the gradient's products take these features in bfloat16 parts,
+  // and W with them.
+  bool has_parts() const { return products_.defined(); }
 
   // The features (n, D) as the gradient's products take them: in bfloat16
-  // parts where the tiles' are split, else whole.
+  // parts where has_parts(), else whole.
   SplitMatrix parts() const {
-    if (!split_) return {storage_, at::Tensor()};
+    if (!has_parts()) return {features_, at::Tensor()};
     return {products_.narrow(1, 0, dim_), products_.narrow(1, dim_, dim_)};
   }
 
@@ -362,8 +367,9 @@ class TileFeatures {
     return {storage_.data_ptr<T>() + first, split_ ? (kSplitParts - 1) * width_ : width_, stride};
   }
 
+  at::Tensor features_; // (n, D) as given
   at::Tensor storage_; // the features, or their split (n, 4 · width_)
-  at::Tensor products_; // split: the features' bfloat16 parts (n, 2 · D), [big | small]
+  at::Tensor products_; // with parts: the features' bfloat16 parts (n, 2 · D), [big | small]
   int64_t dim_ = 0; // D
   int64_t width_ = 0; // features a row of each part
   bool split_ = false;
