@@ -181,6 +181,20 @@ def class_counts(spec: str, batch: int) -> int:
     return batch if spec == "B" else int(spec)
 
 
+def yardstick_fits(features, labels) -> bool:
+    """Whether F·Fᵀ fits in memory (B×B: 256 GiB in float32 at B = 262144,
+    past an H200's); where it does not, the ops are timed alone."""
+    try:
+        gemm(features, labels)
+        return True
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        if features.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return False
+
+
 def measure(name, fn, mode, features, labels, classes, with_memory, args) -> dict:
     """One row: fn's median time in mode ("fwd" under no_grad, or "fwd+bwd")
     and, with_memory, its extra peak memory (labels drawn from `classes`)."""
@@ -192,7 +206,7 @@ def measure(name, fn, mode, features, labels, classes, with_memory, args) -> dic
     try:
         with torch.no_grad() if mode == "fwd" else torch.enable_grad():
             call()  # warm-up (and compilation)
-            if name in OPS:
+            if name in OPS and yardstick_fits(features, labels):
                 # The op's time in GEMM-equivalents: against F·Fᵀ timed beside it.
                 row["seconds"], row["gemm_seconds"] = paired_median_seconds(
                     call, lambda: gemm(features, labels), args.min_run_time)

@@ -738,14 +738,14 @@ class StripPasses {
       row_tiles_ = TileFeatures<scalar_t>(rows.features, with_parts);
       col_tiles_ = symmetric ? row_tiles_ : TileFeatures<scalar_t>(cols.features, with_parts);
     }
-    const int64_t largest = strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols;
-    // W's big bfloat16 part where the products take parts (float32_split.cuh).
-    const at::ScalarType dtype =
-        !tensor_cores_ ? dtype_of<acc_t>() : row_tiles_.has_parts() ? at::kBFloat16 : dtype_of<scalar_t>();
-    workspace_ = at::empty({largest}, rows.features.options().dtype(dtype));
+    // The tiles' loss pass needs no workspace: theirs is W's, made by the
+    // gradient pass.
+    if (!tensor_cores_) workspace_ = at::empty({largest_strip()}, rows.features.options().dtype(dtype_of<acc_t>()));
   }
 
   int64_t strip_count() const { return static_cast<int64_t>(strips_.size()); }
+  // Entries of the largest strip, the first.
+  int64_t largest_strip() const { return strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols; }
   bool on_tensor_cores() const { return tensor_cores_; }
 
   // Loss pass: every CTA's LSE partials, (n, 4) in acc_t. Leaves the last
@@ -771,7 +771,11 @@ class StripPasses {
   at::Tensor gradient(const at::Tensor& scalars) {
     at::Tensor grad = at::empty({rows_.size(), rows_.features.size(1)}, rows_.features.options().dtype(dtype_of<acc_t>()));
     if (tensor_cores_) {
-      if (row_tiles_.has_parts()) small_workspace_ = at::empty_like(workspace_);
+      // W whole, or its big bfloat16 part where the products take parts
+      // (float32_split.cuh) and its small one beside it.
+      const bool parts = row_tiles_.has_parts();
+      workspace_ = at::empty({largest_strip()}, rows_.features.options().dtype(parts ? at::kBFloat16 : dtype_of<scalar_t>()));
+      if (parts) small_workspace_ = at::empty_like(workspace_);
       for (auto strip = strips_.crbegin(); strip != strips_.crend(); ++strip) {
         const bool after_products = strip != strips_.crbegin();
         add_strip_gradient(grad, launch_tile_weights(*strip, scalars.data_ptr<double>(), after_products), *strip,
@@ -984,7 +988,7 @@ class StripPasses {
   TileFeatures<scalar_t> col_tiles_;
   std::vector<Strip> strips_;
   int sms_;
-  at::Tensor workspace_; // (largest strip,): S in acc_t, or with tensor_cores_ the weights in scalar_t (parts: W's big bfloat16 part)
+  at::Tensor workspace_; // (largest strip,): S in acc_t, or with tensor_cores_ (from the gradient pass on) the weights in scalar_t (parts: W's big bfloat16 part)
   at::Tensor small_workspace_; // (largest strip,): where the products take parts, W's small bfloat16 part
   bool last_strip_in_workspace_ = false;
 };
