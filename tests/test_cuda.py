@@ -182,8 +182,9 @@ def test_float32_split_tiles_match_reference(batch, dim, classes, offset):
 # then takes the tensor-core tiles as float16/bfloat16 do (rows of whole
 # 16-byte chunks; D = 30 takes cuBLAS's TF32 strips in two passes), every
 # weight against the LSE of the same S, and is held to TF32's accuracy at a
-# moderate gamma.
-@pytest.mark.parametrize("classes,dim", [(2, 24), (60, 24), (60, 30)])
+# moderate gamma. D = 256 (B·B·D ≥ 2^32): the gradient's products read a
+# K-major copy of the features.
+@pytest.mark.parametrize("classes,dim", [(2, 24), (60, 24), (60, 30), (60, 256)])
 @pytest.mark.sanitize
 def test_several_strips_with_tf32(classes, dim, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
@@ -398,8 +399,10 @@ def test_anchor_loss_over_several_strips(dtype, batch, refs, tile_strips):
 
 
 # anchor_loss with TF32 allowed multiplies float32 in TF32 on the tiles (D = 30:
-# cuBLAS's strips), held to TF32's accuracy at a moderate gamma.
-@pytest.mark.parametrize("batch,dim,refs", [(4500, 24, None), (4500, 30, None), (1000, 24, 140_000)])
+# cuBLAS's strips), held to TF32's accuracy at a moderate gamma; from B·M·D ≥
+# 2^32 (D = 256, and the references at D = 64) the products read K-major copies.
+@pytest.mark.parametrize("batch,dim,refs", [(4500, 24, None), (4500, 30, None), (1000, 24, 140_000),
+                                            (4500, 256, None), (1000, 64, 140_000)])
 def test_anchor_loss_with_tf32(batch, dim, refs, monkeypatch):
     from test_anchor_loss import memory_bank, run_anchor
 

@@ -768,8 +768,8 @@ class AnchorPasses {
     const at::Tensor weight_space = in_parts ? at::empty({largest}, q_.features.options().dtype(at::kBFloat16))
                                              : make_weight_space(largest, /*over_similarities=*/!tensor_cores_);
     const at::Tensor small_weight_space = in_parts ? at::empty_like(weight_space) : at::Tensor();
-    const SplitMatrix q = in_parts ? q_tiles_.parts() : SplitMatrix{q_.features, {}};
-    const SplitMatrix r = in_parts ? r_tiles_.parts() : SplitMatrix{r_.features, {}};
+    const SplitMatrix q = tensor_cores_ ? q_tiles_.parts() : SplitMatrix{q_.features, {}};
+    const SplitMatrix r = tensor_cores_ ? r_tiles_.parts() : SplitMatrix{r_.features, {}};
     // Last strip first: a strip writes its own rows before any earlier one
     // adds its mirrored share to them; with a reference set the last strip's
     // chunks write dR, the earlier ones add to it.
@@ -864,11 +864,12 @@ class AnchorPasses {
 
   // Q and R as the tensor-core kernels take them, for tile_operands; made
   // by the passes that use them (a split of float32 features takes 4·D a
-  // row, and 2·D more where for_gradient's products take parts).
+  // row; for_gradient's large products 2·D more for bfloat16 parts, or D
+  // for TF32's K-major copy).
   void take_tile_features(bool for_gradient) {
-    const bool with_parts = for_gradient && products_take_parts(q_.size(), r_.size(), q_.dim());
-    q_tiles_ = TileFeatures<scalar_t>(q_.features, with_parts);
-    r_tiles_ = self_ ? q_tiles_ : TileFeatures<scalar_t>(r_.features, with_parts);
+    const bool for_products = for_gradient && prepares_products(q_.size(), r_.size(), q_.dim());
+    q_tiles_ = TileFeatures<scalar_t>(q_.features, for_products);
+    r_tiles_ = self_ ? q_tiles_ : TileFeatures<scalar_t>(r_.features, for_products);
   }
 
   // The strip's two sides as the tensor-core kernels take them.

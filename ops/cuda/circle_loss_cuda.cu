@@ -719,8 +719,8 @@ class StripPasses {
  public:
   using acc_t = at::opmath_type<scalar_t>;
 
-  // for_gradient: the gradient pass will run (split float32 features then
-  // keep the bfloat16 parts its products take).
+  // for_gradient: the gradient pass will run (float32 features then keep
+  // the operands its products take: TileFeatures).
   StripPasses(const KernelRows& rows, const KernelRows& cols, bool symmetric, double margin, double gamma,
               bool for_gradient)
       : rows_(rows),
@@ -734,9 +734,9 @@ class StripPasses {
                               : plan_strips(rows.size(), cols.size(), symmetric, sizeof(acc_t))),
         sms_(multiprocessors()) {
     if (tensor_cores_) {
-      const bool with_parts = for_gradient && products_take_parts(rows.size(), cols.size(), rows.dim());
-      row_tiles_ = TileFeatures<scalar_t>(rows.features, with_parts);
-      col_tiles_ = symmetric ? row_tiles_ : TileFeatures<scalar_t>(cols.features, with_parts);
+      const bool for_products = for_gradient && prepares_products(rows.size(), cols.size(), rows.dim());
+      row_tiles_ = TileFeatures<scalar_t>(rows.features, for_products);
+      col_tiles_ = symmetric ? row_tiles_ : TileFeatures<scalar_t>(cols.features, for_products);
     }
     // The tiles' loss pass needs no workspace: theirs is W's, made by the
     // gradient pass.

@@ -37,16 +37,16 @@ inline bool splits_to_tf32() {
   return std::is_same_v<T, float> && !cublas_may_use_tf32();
 }
 
-// Whether the gradient's products take split float32 features in bfloat16
-// parts, three GEMMs a product, rather than whole, one float32 SGEMM: where
-// rows × cols × D, the work of W·F, is at least kPartsWork. The three
-// launches cost the host more than the one; below that size the op is
-// bound by the host, and the SGEMM's longer run is hidden behind it
-// (bench/NOTES.md).
-constexpr double kPartsWork = 4294967296.0; // 2^32: B = 2 896 at D = 512
+// Whether the gradient's products are worth operands made for them: split
+// float32's bfloat16 parts (three bfloat16 GEMMs a product rather than one
+// float32 SGEMM), or for TF32 a copy of the features that cuBLAS reads
+// K-major (TileFeatures). Where rows × cols × D, the work of W·F, is at
+// least kPreparedProductsWork: below, the op is bound by the host, which
+// the extra launches cost more than the GPU time they save (bench/NOTES.md).
+constexpr double kPreparedProductsWork = 4294967296.0; // 2^32: B = 2 896 at D = 512
 
-inline bool products_take_parts(int64_t n_rows, int64_t n_cols, int64_t dim) {
-  return static_cast<double>(n_rows) * static_cast<double>(n_cols) * static_cast<double>(dim) >= kPartsWork;
+inline bool prepares_products(int64_t n_rows, int64_t n_cols, int64_t dim) {
+  return static_cast<double>(n_rows) * static_cast<double>(n_cols) * static_cast<double>(dim) >= kPreparedProductsWork;
 }
 
 // x rounded to TF32's 10-bit mantissa, to nearest, ties away from zero: a

@@ -313,33 +313,40 @@ TileOperands<T> make_tile_operands(
 // (n, 4·D) buffer [big | small | big | big] (D rounded up to whole 16-byte
 // chunks, zeros beyond it), the small products first. The sum is symmetric
 // in i and j as x_i · x_j is, so symmetric products may keep one of two
-// tiles. Split features made with_parts also keep their bfloat16 parts for
-// the gradient's products (parts()).
+// tiles. Made for_products, split features also keep their bfloat16 parts
+// for the gradient's products, and float32 taken as TF32 a copy that
+// cuBLAS reads K-major (parts()).
 template <typename T>
 class TileFeatures {
  public:
   TileFeatures() = default;
 
   // features: (n, D) contiguous, such that tiles_take<T>(features).
-  // with_parts: the gradient's products will take split features in
-  // bfloat16 parts (products_take_parts); the pass that needs no products,
-  // or whole ones, is spared writing them.
-  TileFeatures(const at::Tensor& features, bool with_parts)
+  // for_products: the gradient's products will take these features at a
+  // size that pays for operands made for them (prepares_products); a pass
+  // that runs no products, or small ones, is spared making them.
+  TileFeatures(const at::Tensor& features, bool for_products)
       : features_(features), storage_(features), dim_(features.size(1)), width_(features.size(1)) {
     if constexpr (std::is_same_v<T, float>) {
-      if (!splits_to_tf32<T>()) return;
+      if (!splits_to_tf32<T>()) {
+        // TF32's tensor-core products read both operands K-major, and the
+        // products take F's rows as the K side: (D, n) row-major, seen as
+        // (n, D), is what cuBLAS reads at its rate (bench/NOTES.md).
+        if (for_products) by_columns_ = features.t().contiguous();
+        return;
+      }
       constexpr int64_t kChunk = 16 / sizeof(float);
       const int64_t n = features.size(0);
       width_ = (dim_ + kChunk - 1) / kChunk * kChunk;
       split_ = true;
       storage_ = at::empty({n, kSplitParts * width_}, features.options());
-      if (with_parts) products_ = at::empty({n, 2 * dim_}, features.options().dtype(at::kBFloat16));
+      if (for_products) products_ = at::empty({n, 2 * dim_}, features.options().dtype(at::kBFloat16));
       const int64_t total = n * width_;
       if (total == 0) return;
       const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 8 * multiprocessors());
       split_float32_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
           features.data_ptr<float>(), n, dim_, width_, storage_.data_ptr<float>(),
-          with_parts ? products_.data_ptr<c10::BFloat16>() : nullptr);
+          for_products ? products_.data_ptr<c10::BFloat16>() : nullptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
@@ -353,10 +360,10 @@ class TileFeatures {
   bool has_parts() const { return products_.defined(); }
 
   // The features (n, D) as the gradient's products take them: in bfloat16
-  // parts where has_parts(), else whole.
+  // parts where has_parts(), else whole (K-major where it was made).
   SplitMatrix parts() const {
-    if (!has_parts()) return {features_, at::Tensor()};
-    return {products_.narrow(1, 0, dim_), products_.narrow(1, dim_, dim_)};
+    if (has_parts()) return {products_.narrow(1, 0, dim_), products_.narrow(1, dim_, dim_)};
+    return {by_columns_.defined() ? by_columns_.t() : features_, at::Tensor()};
   }
 
  private:
@@ -370,6 +377,7 @@ class TileFeatures {
   at::Tensor features_; // (n, D) as given
   at::Tensor storage_; // the features, or their split (n, 4 · width_)
   at::Tensor products_; // with parts: the features' bfloat16 parts (n, 2 · D), [big | small]
+  at::Tensor by_columns_; // for TF32 products: the features transposed (D, n), contiguous
   int64_t dim_ = 0; // D
   int64_t width_ = 0; // features a row of each part
   bool split_ = false;
