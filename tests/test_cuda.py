@@ -182,8 +182,8 @@ def test_float32_split_tiles_match_reference(batch, dim, classes, offset):
 # then takes the tensor-core tiles as float16/bfloat16 do (rows of whole
 # 16-byte chunks; D = 30 takes cuBLAS's TF32 strips in two passes), every
 # weight against the LSE of the same S, and is held to TF32's accuracy at a
-# moderate gamma. D = 256 (B·B·D ≥ 2^32): the gradient's products read a
-# K-major copy of the features.
+# moderate gamma. D = 256 (B·B·D ≥ 2^32): the gradient's products run in
+# float16 (test_tf32_products_in_float16).
 @pytest.mark.parametrize("classes,dim", [(2, 24), (60, 24), (60, 30), (60, 256)])
 @pytest.mark.sanitize
 def test_several_strips_with_tf32(classes, dim, monkeypatch):
@@ -197,6 +197,35 @@ def test_several_strips_with_tf32(classes, dim, monkeypatch):
     assert relative_error(grad, ref_grad) <= 5e-2
     with torch.no_grad():
         assert torch.equal(torch.ops.circle.loss(features, labels, 0.25, 32.0), loss)
+
+
+# With TF32 allowed, the op's products from B·B·D ≥ 2^32 on take W and F in
+# float16, brought into its range by powers of two (HalfProducts in
+# ops/cuda/float32_split.cuh). Features of four bits, k/64 for |k| ≤ 8, make
+# S exact in TF32, so that what parts the op from float64 is the products'
+# rounding, held to TF32's 11 bits: on the whole gradient, and on each row
+# of at least a hundredth of the largest row's norm. Features scaled to
+# 2^-10 spread the weights over all pairs, each far below float16's normal
+# range unless W is scaled; scaled to 2^3 they put them on a few pairs.
+@pytest.mark.parametrize("scale", [2.0 ** -10, 1.0, 2.0 ** 3])
+def test_tf32_products_in_float16(scale, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    batch, dim = 4500, 256
+    features = torch.randint(-8, 9, (batch, dim), device="cuda").float() * (scale / 64)
+    labels = torch.randint(0, 60, (batch,), device="cuda")
+    x = features.clone().requires_grad_()
+    loss = torch.ops.circle.loss(x, labels, 0.25, 32.0)
+    (grad,) = torch.autograd.grad(loss, x)
+    ref_loss, ref_grad = reference_loss_and_grad(features, labels, 0.25, 32.0)
+    assert relative_error(loss, ref_loss) <= TOLERANCE[torch.float32][0]
+    assert relative_error(grad, ref_grad) <= 2e-3  # 2^-11 an operand, and room for the exps' rounding
+    row_norms = ref_grad.double().norm(dim=1)
+    rows = row_norms >= 1e-2 * row_norms.max()
+    row_errors = (grad.double() - ref_grad.double())[rows].norm(dim=1) / row_norms[rows]
+    assert row_errors.max().item() <= 1e-2
+    features[7, 5] = float("nan")  # no scale hides it
+    loss, grad = loss_and_grad(features.requires_grad_(), labels)
+    assert torch.isnan(loss) and torch.isnan(grad).any()
 
 
 # The tensor-core gradients hold only W: where the whole width leaves a

@@ -11,12 +11,21 @@
 //     The tensor cores' float32 accumulation over K, not the parts, bounds
 //     their error (bench/NOTES.md), and PyTorch offers no TF32 GEMM the
 //     user has not allowed.
+// Where TF32 is allowed, S takes float32 whole on the tiles, and the
+// symmetric op's large products G = W·F take W and F in float16
+// (HalfProducts): the same 11 significant bits as TF32, at twice cuBLAS's
+// TF32 rate, brought into float16's range by powers of two.
 #pragma once
 
 #include "strips.cuh"
 
 #include <ATen/Context.h>
+#include <ATen/ops/amax.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/mul.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <type_traits>
 
@@ -122,6 +131,81 @@ inline SplitMatrix strip_weights(const at::Tensor& space, const at::Tensor& smal
   const auto view = [&](const at::Tensor& s) { return s.narrow(0, 0, strip.rows * strip.cols).view({strip.rows, strip.cols}); };
   return {view(space), small_space.defined() ? view(small_space) : small_space};
 }
+
+// The power of two 2^e, |e| ≤ kMaxHalfShift, that brings a nonnegative
+// bound to at most 2^kHalfReach: four times below float16's largest value,
+// room for what the kernels round above the bound; e = 0 where the bound is
+// 0 or not finite (NaN and infinities then reach the products as they are).
+constexpr int kHalfReach = 14;
+constexpr int kMaxHalfShift = 100;
+
+__device__ inline int half_shift(double bound) {
+  if (!(bound > 0.0) || isinf(bound)) return 0;
+  int exponent; // bound < 2^exponent
+  frexp(bound, &exponent);
+  return min(max(kHalfReach - exponent, -kMaxHalfShift), kMaxHalfShift);
+}
+
+// scales = (2^w, 2^f, 2^-(w+f)): W's, F's and the products' way back.
+// F's bound is its largest row norm, which bounds every entry. W =
+// 2σ(Z)·exp(z - LSE)·|dz/ds| (the global form's weights) is bounded by
+// 2σ(Z) · γ(1 + |m| + norm²) · max over the sets of exp(max z - LSE) =
+// 1/Σ, with |s| ≤ norm² bounding α and Σ the set's folded sum relative to
+// its largest logit (at least 1 where the set has pairs). Where the
+// weights spread over many pairs, a bound from the logits alone would be
+// off by their number, and the weights would fall among float16's
+// subnormals; this one is within a few times of W's largest entry.
+__global__ void half_product_scales_kernel(
+    const double* __restrict__ scalars, // (LSE_P, LSE_N, loss, 2σ(Z))
+    const double* __restrict__ folded, // (max_P, Σ_P, max_N, Σ_N)
+    const float* __restrict__ largest_norm, // ()
+    PairLogit<float> logit,
+    float* __restrict__ scales) { // (3,)
+  const double norm = *largest_norm;
+  const PairStates<double> sets = PairStates<double>::at(folded, 0);
+  const double largest_share = fmax(sets.positive.sum > 0.0 ? 1.0 / sets.positive.sum : 0.0,
+                                    sets.negative.sum > 0.0 ? 1.0 / sets.negative.sum : 0.0);
+  const double weight_bound = LossScalars::load(scalars).grad_scale * logit.gamma *
+      (1.0 + fabs(static_cast<double>(logit.margin)) + norm * norm) * largest_share;
+  const int features = half_shift(norm);
+  // Both shifts and their sum's inverse stay normal float32 numbers.
+  const int weights = min(max(half_shift(weight_bound), -126 - features), 126 - features);
+  scales[0] = ldexpf(1.0f, weights);
+  scales[1] = ldexpf(1.0f, features);
+  scales[2] = ldexpf(1.0f, -(weights + features));
+}
+
+// The symmetric op's gradient products where TF32 is allowed, as float16
+// GEMMs with float32 results: W in the tiles' float16 output, scaled by
+// weight_scale() (exactly: a power of two), F (n, D) scaled alike into
+// features(), and G·F scaled by both until unscale() takes it back. A
+// weight keeps TF32's 11 bits down to 2^-28 of W's largest; below, its
+// share of the sum is that much smaller (bench/NOTES.md).
+class HalfProducts {
+ public:
+  HalfProducts() = default;
+
+  // features: (n, D) float32; scalars and folded: the loss's, float64
+  // on the device (half_product_scales_kernel).
+  HalfProducts(const at::Tensor& features, const at::Tensor& scalars, const at::Tensor& folded, PairLogit<float> logit)
+      : scales_(at::empty({3}, features.options())) {
+    const at::Tensor largest_norm = at::amax(at::linalg_vector_norm(features, 2, {1}));
+    half_product_scales_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        scalars.data_ptr<double>(), folded.data_ptr<double>(), largest_norm.data_ptr<float>(), logit,
+        scales_.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    features_ = at::mul(features, scales_[1]).to(at::kHalf);
+  }
+
+  bool defined() const { return scales_.defined(); }
+  SplitMatrix features() const { return {features_, at::Tensor()}; }
+  const float* weight_scale() const { return scales_.data_ptr<float>(); }
+  void unscale(at::Tensor& grad) const { grad.mul_(scales_[2]); }
+
+ private:
+  at::Tensor scales_; // (3,) float32: half_product_scales_kernel's
+  at::Tensor features_; // (n, D) float16: F · 2^f
+};
 
 // out = a · b, or with accumulate out += a · b, in out's dtype: split
 // operands (both or neither) as three products, the small ones first.

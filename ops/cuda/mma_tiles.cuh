@@ -979,17 +979,18 @@ struct alignas(8) TileLabels {
 // and the ones above store their tile's transpose too. Launched as a
 // dependent of the products that read the previous strip's W from the same
 // memory, a CTA forms its tile while they finish and waits only before it
-// stores. W goes out in the features' dtype, or for split float32 in
-// bfloat16 parts (Out, float32_split.cuh): W rounded to Out to weights,
-// what that rounding leaves to small_weights.
+// stores. W goes out in the features' dtype, for split float32 in bfloat16
+// parts (Out, float32_split.cuh): W rounded to Out to weights, what that
+// rounding leaves to small_weights; or for float32 in TF32 as float16
+// scaled by the Rule (half_products.cuh).
 template <typename T, typename Rule, typename Out = T>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
     const __grid_constant__ TileOperands<T> in,
     const Rule rule,
     bool symmetric,
     Out* __restrict__ weights, // (R, C)
-    Out* __restrict__ small_weights) { // (R, C) where Out is not T, else unused
-  constexpr bool kParts = !std::is_same_v<Out, T>;
+    Out* __restrict__ small_weights) { // (R, C) where Out is bfloat16 for float32 features, else unused
+  constexpr bool kParts = std::is_same_v<T, float> && std::is_same_v<Out, c10::BFloat16>;
   extern __shared__ __align__(128) unsigned char stages[];
   constexpr int kStride = kMmaTile + 8; // padded rows of the staged tile: its writes avoid bank conflicts
   static_assert(kStride * sizeof(Out) % 16 == 0, "staged rows start 16-byte aligned");
@@ -1084,8 +1085,8 @@ inline bool mma_tiles_built() {
 }
 
 // tile_weights_kernel over a strip into weights (R, C): W whole in the
-// features' dtype, or split float32's bfloat16 parts. dependent: as
-// launch_kernel's.
+// features' dtype, split float32's bfloat16 parts, or for float32 float16
+// (weights.big's dtype). dependent: as launch_kernel's.
 template <typename T, typename Rule>
 void launch_tile_weights_kernel(
     bool dependent,
@@ -1102,6 +1103,13 @@ void launch_tile_weights_kernel(
       TORCH_INTERNAL_ASSERT(mma_tiles_built<kernel>());
       launch_kernel(dependent, kernel, grid, dim3(kMmaThreads), kMmaSharedBytes, in, rule, symmetric,
                     weights.big.data_ptr<c10::BFloat16>(), weights.small.data_ptr<c10::BFloat16>());
+      return;
+    }
+    if (weights.big.scalar_type() == at::kHalf) {
+      constexpr auto kernel = tile_weights_kernel<T, Rule, c10::Half>;
+      TORCH_INTERNAL_ASSERT(mma_tiles_built<kernel>());
+      launch_kernel(dependent, kernel, grid, dim3(kMmaThreads), kMmaSharedBytes, in, rule, symmetric,
+                    weights.big.data_ptr<c10::Half>(), static_cast<c10::Half*>(nullptr));
       return;
     }
   }
