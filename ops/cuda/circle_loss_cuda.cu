@@ -315,6 +315,21 @@ struct GlobalWeightRule {
   }
 };
 
+// GlobalWeightRule's W / |dz/ds| is at most 2σ(Z)·exp(max z - LSE) = 2σ(Z)/Σ
+// over each set, Σ its folded sum relative to its largest logit (at least
+// 1 where the set has pairs): HalfProducts' weight factor. A bound from
+// the logits alone would be off by the number of pairs the weights spread
+// over, and put them among float16's subnormals.
+__global__ void global_weight_factor_kernel(
+    const double* __restrict__ scalars, // (LSE_P, LSE_N, loss, 2σ(Z))
+    const double* __restrict__ folded, // (max_P, Σ_P, max_N, Σ_N)
+    float* __restrict__ factor) { // ()
+  const PairStates<double> sets = PairStates<double>::at(folded, 0);
+  const double largest_share = fmax(sets.positive.sum > 0.0 ? 1.0 / sets.positive.sum : 0.0,
+                                    sets.negative.sum > 0.0 ? 1.0 / sets.negative.sum : 0.0);
+  *factor = static_cast<float>(LossScalars::load(scalars).grad_scale * largest_share);
+}
+
 // negative_max[strip] = max(negative_max[strip - 1], the largest negative
 // logit of this strip), from the strip's LSE partials: the stabiliser of its
 // negative weights.
@@ -737,12 +752,12 @@ class StripPasses {
         sms_(multiprocessors()) {
     if (tensor_cores_) {
       const bool for_products = for_gradient && prepares_products(rows.size(), cols.size(), rows.dim());
-      // Those of the symmetric op with TF32 allowed run in float16, on
-      // operands of their own (HalfProducts): the op has the loss's folded
-      // sums that bound W; the block ops are given its scalars alone.
+      // Those of the symmetric op with TF32 allowed run in float16
+      // (HalfProducts): the op has the loss's folded sums that bound W; the
+      // block ops are given its scalars alone.
       half_products_ = for_products && symmetric && std::is_same_v<scalar_t, float> && cublas_may_use_tf32();
-      row_tiles_ = TileFeatures<scalar_t>(rows.features, for_products && !half_products_);
-      col_tiles_ = symmetric ? row_tiles_ : TileFeatures<scalar_t>(cols.features, for_products && !half_products_);
+      row_tiles_ = TileFeatures<scalar_t>(rows.features, for_products);
+      col_tiles_ = symmetric ? row_tiles_ : TileFeatures<scalar_t>(cols.features, for_products);
     }
     // The tiles' loss pass needs no workspace: theirs is W's, made by the
     // gradient pass.
@@ -780,7 +795,7 @@ class StripPasses {
     at::Tensor grad = at::empty({rows_.size(), rows_.features.size(1)}, rows_.features.options().dtype(dtype_of<acc_t>()));
     if (tensor_cores_) {
       if constexpr (std::is_same_v<scalar_t, float>) {
-        if (half_products_) half_products_of_ = HalfProducts(rows_.features, scalars, folded, logit_);
+        if (half_products_) half_products_of_ = HalfProducts(rows_.features, at::Tensor(), weight_factor(scalars, folded), logit_);
       }
       // W whole, in float16 for HalfProducts, or its big bfloat16 part where
       // the products take parts (float32_split.cuh) and its small one beside it.
@@ -928,6 +943,15 @@ class StripPasses {
     return weights;
   }
 
+  // global_weight_factor_kernel's bound, () float32 on the device.
+  at::Tensor weight_factor(const at::Tensor& scalars, const at::Tensor& folded) const {
+    at::Tensor factor = at::empty({}, rows_.features.options().dtype(at::kFloat));
+    global_weight_factor_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        scalars.data_ptr<double>(), folded.data_ptr<double>(), factor.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return factor;
+  }
+
   const int64_t* row_labels(const Strip& strip) const { return rows_.labels.data_ptr<int64_t>() + strip.row0; }
   const int64_t* col_labels(const Strip& strip) const { return cols_.labels.data_ptr<int64_t>() + strip.col0; }
 
@@ -981,10 +1005,10 @@ class StripPasses {
       const Strip& strip,
       bool accumulate_own,
       bool accumulate_below) const {
-    const SplitMatrix rows = half_products_ ? half_products_of_.features()
+    const SplitMatrix rows = half_products_ ? half_products_of_.rows()
         : tensor_cores_                     ? row_tiles_.parts()
                                             : SplitMatrix{rows_.features, {}};
-    const SplitMatrix cols = half_products_ ? half_products_of_.features()
+    const SplitMatrix cols = half_products_ ? half_products_of_.cols()
         : tensor_cores_                     ? col_tiles_.parts()
                                             : SplitMatrix{cols_.features, {}};
     split_matmul(grad.narrow(0, strip.row0, strip.rows), weights, cols.narrow(0, strip.col0, strip.cols), accumulate_own);

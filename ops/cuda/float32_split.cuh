@@ -23,6 +23,7 @@
 #include <ATen/ops/amax.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/maximum.h>
 #include <ATen/ops/mul.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -48,10 +49,10 @@ inline bool splits_to_tf32() {
 
 // Whether the gradient's products are worth operands made for them: split
 // float32's bfloat16 parts (three bfloat16 GEMMs a product rather than one
-// float32 SGEMM), or for TF32 a copy of the features that cuBLAS reads
-// K-major (TileFeatures). Where rows × cols × D, the work of W·F, is at
-// least kPreparedProductsWork: below, the op is bound by the host, which
-// the extra launches cost more than the GPU time they save (bench/NOTES.md).
+// float32 SGEMM; TileFeatures), or with TF32 allowed float16 ones
+// (HalfProducts). Where rows × cols × D, the work of W·F, is at least
+// kPreparedProductsWork: below, the op is bound by the host, which the
+// extra launches cost more than the GPU time they save (bench/NOTES.md).
 constexpr double kPreparedProductsWork = 4294967296.0; // 2^32: B = 2 896 at D = 512
 
 inline bool prepares_products(int64_t n_rows, int64_t n_cols, int64_t dim) {
@@ -146,27 +147,18 @@ __device__ inline int half_shift(double bound) {
   return min(max(kHalfReach - exponent, -kMaxHalfShift), kMaxHalfShift);
 }
 
-// scales = (2^w, 2^f, 2^-(w+f)): W's, F's and the products' way back.
-// F's bound is its largest row norm, which bounds every entry. W =
-// 2σ(Z)·exp(z - LSE)·|dz/ds| (the global form's weights) is bounded by
-// 2σ(Z) · γ(1 + |m| + norm²) · max over the sets of exp(max z - LSE) =
-// 1/Σ, with |s| ≤ norm² bounding α and Σ the set's folded sum relative to
-// its largest logit (at least 1 where the set has pairs). Where the
-// weights spread over many pairs, a bound from the logits alone would be
-// off by their number, and the weights would fall among float16's
-// subnormals; this one is within a few times of W's largest entry.
+// scales = (2^w, 2^f, 2^-(w+f)): W's, F's and the products' way back. F's
+// bound is its largest row norm, which bounds every entry; W's is
+// weight_factor · γ(1 + |m| + norm²), the caller's bound on W / |dz/ds|
+// times |dz/ds| = γα's, α bounded through |s| ≤ norm².
 __global__ void half_product_scales_kernel(
-    const double* __restrict__ scalars, // (LSE_P, LSE_N, loss, 2σ(Z))
-    const double* __restrict__ folded, // (max_P, Σ_P, max_N, Σ_N)
     const float* __restrict__ largest_norm, // ()
+    const float* __restrict__ weight_factor, // ()
     PairLogit<float> logit,
     float* __restrict__ scales) { // (3,)
   const double norm = *largest_norm;
-  const PairStates<double> sets = PairStates<double>::at(folded, 0);
-  const double largest_share = fmax(sets.positive.sum > 0.0 ? 1.0 / sets.positive.sum : 0.0,
-                                    sets.negative.sum > 0.0 ? 1.0 / sets.negative.sum : 0.0);
-  const double weight_bound = LossScalars::load(scalars).grad_scale * logit.gamma *
-      (1.0 + fabs(static_cast<double>(logit.margin)) + norm * norm) * largest_share;
+  const double weight_bound =
+      static_cast<double>(*weight_factor) * logit.gamma * (1.0 + fabs(static_cast<double>(logit.margin)) + norm * norm);
   const int features = half_shift(norm);
   // Both shifts and their sum's inverse stay normal float32 numbers.
   const int weights = min(max(half_shift(weight_bound), -126 - features), 126 - features);
@@ -175,36 +167,43 @@ __global__ void half_product_scales_kernel(
   scales[2] = ldexpf(1.0f, -(weights + features));
 }
 
-// The symmetric op's gradient products where TF32 is allowed, as float16
-// GEMMs with float32 results: W in the tiles' float16 output, scaled by
-// weight_scale() (exactly: a power of two), F (n, D) scaled alike into
-// features(), and G·F scaled by both until unscale() takes it back. A
-// weight keeps TF32's 11 bits down to 2^-28 of W's largest; below, its
-// share of the sum is that much smaller (bench/NOTES.md).
+// The gradient's products where TF32 is allowed, as float16 GEMMs with
+// float32 results: W in the tiles' float16 output, scaled by
+// weight_scale() (exactly: a power of two), the rows' and columns'
+// features (n, D) scaled alike by one power of two, and G·F scaled by both
+// until unscale() takes it back. Scaled, W's bound is 2^14: a weight from
+// 2^-28 of the bound up is a normal float16 number and keeps TF32's 11
+// bits; one below is off by at most 2^-39 of the bound. Over a row of M
+// weights that adds at most M·2^-39 of the bound, within TF32's error of
+// every row whose weights sum to M·2^-28 of the bound or more, and far
+// within it of the rows that carry the gradient (bench/NOTES.md).
 class HalfProducts {
  public:
   HalfProducts() = default;
 
-  // features: (n, D) float32; scalars and folded: the loss's, float64
-  // on the device (half_product_scales_kernel).
-  HalfProducts(const at::Tensor& features, const at::Tensor& scalars, const at::Tensor& folded, PairLogit<float> logit)
-      : scales_(at::empty({3}, features.options())) {
-    const at::Tensor largest_norm = at::amax(at::linalg_vector_norm(features, 2, {1}));
+  // rows, cols: (n, D) float32 (cols undefined: the rows again);
+  // weight_factor: () float32 on the device, a bound on W / |dz/ds|.
+  HalfProducts(const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& weight_factor, PairLogit<float> logit)
+      : scales_(at::empty({3}, rows.options())) {
+    at::Tensor largest_norm = at::amax(at::linalg_vector_norm(rows, 2, {1}));
+    if (cols.defined()) largest_norm = at::maximum(largest_norm, at::amax(at::linalg_vector_norm(cols, 2, {1})));
     half_product_scales_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        scalars.data_ptr<double>(), folded.data_ptr<double>(), largest_norm.data_ptr<float>(), logit,
-        scales_.data_ptr<float>());
+        largest_norm.data_ptr<float>(), weight_factor.data_ptr<float>(), logit, scales_.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    features_ = at::mul(features, scales_[1]).to(at::kHalf);
+    rows_ = at::mul(rows, scales_[1]).to(at::kHalf);
+    cols_ = cols.defined() ? at::mul(cols, scales_[1]).to(at::kHalf) : rows_;
   }
 
   bool defined() const { return scales_.defined(); }
-  SplitMatrix features() const { return {features_, at::Tensor()}; }
+  SplitMatrix rows() const { return {rows_, at::Tensor()}; }
+  SplitMatrix cols() const { return {cols_, at::Tensor()}; }
   const float* weight_scale() const { return scales_.data_ptr<float>(); }
   void unscale(at::Tensor& grad) const { grad.mul_(scales_[2]); }
 
  private:
   at::Tensor scales_; // (3,) float32: half_product_scales_kernel's
-  at::Tensor features_; // (n, D) float16: F · 2^f
+  at::Tensor rows_; // (n, D) float16: the rows' features · 2^f
+  at::Tensor cols_; // the columns', or rows_
 };
 
 // out = a · b, or with accumulate out += a · b, in out's dtype: split

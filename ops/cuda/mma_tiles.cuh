@@ -314,8 +314,7 @@ TileOperands<T> make_tile_operands(
 // chunks, zeros beyond it), the small products first. The sum is symmetric
 // in i and j as x_i · x_j is, so symmetric products may keep one of two
 // tiles. Made for_products, split features also keep their bfloat16 parts
-// for the gradient's products, and float32 taken as TF32 a copy that
-// cuBLAS reads K-major (parts()).
+// for the gradient's products (parts()).
 template <typename T>
 class TileFeatures {
  public:
@@ -328,13 +327,7 @@ class TileFeatures {
   TileFeatures(const at::Tensor& features, bool for_products)
       : features_(features), storage_(features), dim_(features.size(1)), width_(features.size(1)) {
     if constexpr (std::is_same_v<T, float>) {
-      if (!splits_to_tf32<T>()) {
-        // TF32's tensor-core products read both operands K-major, and the
-        // products take F's rows as the K side: (D, n) row-major, seen as
-        // (n, D), is what cuBLAS reads at its rate (bench/NOTES.md).
-        if (for_products) by_columns_ = features.t().contiguous();
-        return;
-      }
+      if (!splits_to_tf32<T>()) return;
       constexpr int64_t kChunk = 16 / sizeof(float);
       const int64_t n = features.size(0);
       width_ = (dim_ + kChunk - 1) / kChunk * kChunk;
@@ -360,10 +353,10 @@ class TileFeatures {
   bool has_parts() const { return products_.defined(); }
 
   // The features (n, D) as the gradient's products take them: in bfloat16
-  // parts where has_parts(), else whole (K-major where it was made).
+  // parts where has_parts(), else whole.
   SplitMatrix parts() const {
-    if (has_parts()) return {products_.narrow(1, 0, dim_), products_.narrow(1, dim_, dim_)};
-    return {by_columns_.defined() ? by_columns_.t() : features_, at::Tensor()};
+    if (!has_parts()) return {features_, at::Tensor()};
+    return {products_.narrow(1, 0, dim_), products_.narrow(1, dim_, dim_)};
   }
 
  private:
@@ -377,7 +370,6 @@ class TileFeatures {
   at::Tensor features_; // (n, D) as given
   at::Tensor storage_; // the features, or their split (n, 4 · width_)
   at::Tensor products_; // with parts: the features' bfloat16 parts (n, 2 · D), [big | small]
-  at::Tensor by_columns_; // for TF32 products: the features transposed (D, n), contiguous
   int64_t dim_ = 0; // D
   int64_t width_ = 0; // features a row of each part
   bool split_ = false;
