@@ -24,7 +24,9 @@
 //                             states, written as partials;
 //   merge_tile_states_kernel  folds them into the rows' running states;
 //   tile_weights_kernel       (mma_tiles.cuh, with AnchorWeightRule) the
-//                             backward's W, strip by strip, for cuBLAS as above.
+//                             backward's W, strip by strip, for cuBLAS as above
+//                             (float32's large products in bfloat16 parts, or
+//                             with TF32 allowed in float16: float32_split.cuh).
 //
 // Every reduction runs in an order fixed by the shapes and the GPU, and
 // cuBLAS is reproducible on a given GPU, so results are bitwise the same from

@@ -42,7 +42,8 @@
 //                         the tiles above its diagonal, stored both ways);
 //                         cuBLAS then multiplies W by F as above (split
 //                         float32 as three products of W's and F's
-//                         bfloat16 parts, float32_split.cuh). W alone
+//                         bfloat16 parts, float32_split.cuh; with TF32
+//                         allowed, W and F in float16). W alone
 //                         leaves strips room for more rows, and wide ones
 //                         are cut into chunks of columns (plan_column_chunks).
 //

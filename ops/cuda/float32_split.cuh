@@ -11,10 +11,10 @@
 //     The tensor cores' float32 accumulation over K, not the parts, bounds
 //     their error (bench/NOTES.md), and PyTorch offers no TF32 GEMM the
 //     user has not allowed.
-// Where TF32 is allowed, S takes float32 whole on the tiles, and the
-// symmetric op's large products G = W·F take W and F in float16
-// (HalfProducts): the same 11 significant bits as TF32, at twice cuBLAS's
-// TF32 rate, brought into float16's range by powers of two.
+// Where TF32 is allowed, S takes float32 whole on the tiles, and large
+// products G = W·F take W and F in float16 (HalfProducts): the same 11
+// significant bits as TF32, at twice cuBLAS's TF32 rate at these shapes,
+// brought into float16's range by powers of two.
 #pragma once
 
 #include "strips.cuh"
