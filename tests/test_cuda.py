@@ -182,8 +182,9 @@ def test_float32_split_tiles_match_reference(batch, dim, classes, offset):
 # then takes the tensor-core tiles as float16/bfloat16 do (rows of whole
 # 16-byte chunks; D = 30 takes cuBLAS's TF32 strips in two passes), every
 # weight against the LSE of the same S, and is held to TF32's accuracy at a
-# moderate gamma.
-@pytest.mark.parametrize("classes,dim", [(2, 24), (60, 24), (60, 30)])
+# moderate gamma. D = 256 (B·B·D ≥ 2^32): the gradient's products run in
+# float16 (test_tf32_products_in_float16).
+@pytest.mark.parametrize("classes,dim", [(2, 24), (60, 24), (60, 30), (60, 256)])
 @pytest.mark.sanitize
 def test_several_strips_with_tf32(classes, dim, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
@@ -196,6 +197,69 @@ def test_several_strips_with_tf32(classes, dim, monkeypatch):
     assert relative_error(grad, ref_grad) <= 5e-2
     with torch.no_grad():
         assert torch.equal(torch.ops.circle.loss(features, labels, 0.25, 32.0), loss)
+
+
+# With TF32 allowed, the products of W·F from B·M·D ≥ 2^32 on take W and F in
+# float16, brought into its range by powers of two (HalfProducts in
+# ops/cuda/float32_split.cuh). Features of four bits, k/64 for |k| ≤ 8, make
+# S exact in TF32, so that what parts the ops from float64 is the products'
+# rounding, held to TF32's 11 bits (2^-11 an operand, and room for the
+# exps' rounding): on the whole gradient, and on each row of at least a
+# hundredth of the largest row's norm. Features scaled to 2^-10 spread the
+# weights over all pairs, each far below float16's normal range unless W is
+# scaled; scaled to 2^3 they put them on a few pairs.
+HALF_PRODUCT_SCALES = [2.0 ** -10, 1.0, 2.0 ** 3]
+
+
+def four_bit_features(batch, dim, scale):
+    return torch.randint(-8, 9, (batch, dim), device="cuda").float() * (scale / 64)
+
+
+def assert_gradient_within_tf32(grad, ref_grad):
+    assert relative_error(grad, ref_grad) <= 2e-3
+    row_norms = ref_grad.double().norm(dim=1)
+    rows = row_norms >= 1e-2 * row_norms.max()
+    row_errors = (grad.double() - ref_grad.double())[rows].norm(dim=1) / row_norms[rows]
+    assert row_errors.max().item() <= 1e-2
+
+
+@pytest.mark.parametrize("scale", HALF_PRODUCT_SCALES)
+def test_tf32_products_in_float16(scale, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    features = four_bit_features(4500, 256, scale)
+    labels = torch.randint(0, 60, (4500,), device="cuda")
+    x = features.clone().requires_grad_()
+    loss = torch.ops.circle.loss(x, labels, 0.25, 32.0)
+    (grad,) = torch.autograd.grad(loss, x)
+    ref_loss, ref_grad = reference_loss_and_grad(features, labels, 0.25, 32.0)
+    assert relative_error(loss, ref_loss) <= TOLERANCE[torch.float32][0]
+    assert_gradient_within_tf32(grad, ref_grad)
+    features[7, 5] = float("nan")  # no scale hides it
+    loss, grad = loss_and_grad(features.requires_grad_(), labels)
+    assert torch.isnan(loss) and torch.isnan(grad).any()
+
+
+# The same for anchor_loss, whose weights differ from row to row by the
+# incoming gradient and σ(Z_i): without references (each entry carries both
+# of its pairs) and with a memory bank (dR = Wᵀ Q too).
+@pytest.mark.parametrize("refs", [None, 140_000])
+@pytest.mark.parametrize("scale", HALF_PRODUCT_SCALES)
+def test_anchor_tf32_products_in_float16(scale, refs, monkeypatch):
+    from test_anchor_loss import run_anchor
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    batch, dim, classes = (4500, 256, 60) if refs is None else (1000, 64, 4)
+    features = four_bit_features(batch, dim, scale)
+    labels = torch.randint(0, classes, (batch,), device="cuda")
+    ref, ref_labels = (None, None) if refs is None else (four_bit_features(refs, dim, scale),
+                                                         torch.randint(0, classes, (refs,), device="cuda"))
+    weights = torch.rand(batch, device="cuda")
+    losses, grad_q, grad_r = run_anchor(features, labels, ref, ref_labels, 0.4, 32.0, weights)
+    ref_losses, ref_q, ref_r = anchor_reference_and_grads(features, labels, ref, ref_labels, 0.4, 32.0, weights)
+    assert relative_error(losses, ref_losses) <= TOLERANCE[torch.float32][0]
+    assert_gradient_within_tf32(grad_q, ref_q)
+    if ref is not None:
+        assert_gradient_within_tf32(grad_r, ref_r)
 
 
 # The tensor-core gradients hold only W: where the whole width leaves a
@@ -398,8 +462,11 @@ def test_anchor_loss_over_several_strips(dtype, batch, refs, tile_strips):
 
 
 # anchor_loss with TF32 allowed multiplies float32 in TF32 on the tiles (D = 30:
-# cuBLAS's strips), held to TF32's accuracy at a moderate gamma.
-@pytest.mark.parametrize("batch,dim,refs", [(4500, 24, None), (4500, 30, None), (1000, 24, 140_000)])
+# cuBLAS's strips), held to TF32's accuracy at a moderate gamma; from B·M·D ≥
+# 2^32 (D = 256, and the references at D = 64) the products run in float16
+# (test_anchor_tf32_products_in_float16).
+@pytest.mark.parametrize("batch,dim,refs", [(4500, 24, None), (4500, 30, None), (1000, 24, 140_000),
+                                            (4500, 256, None), (1000, 64, 140_000)])
 def test_anchor_loss_with_tf32(batch, dim, refs, monkeypatch):
     from test_anchor_loss import memory_bank, run_anchor
 

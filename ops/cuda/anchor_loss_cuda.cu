@@ -24,7 +24,9 @@
 //                             states, written as partials;
 //   merge_tile_states_kernel  folds them into the rows' running states;
 //   tile_weights_kernel       (mma_tiles.cuh, with AnchorWeightRule) the
-//                             backward's W, strip by strip, for cuBLAS as above.
+//                             backward's W, strip by strip, for cuBLAS as above
+//                             (float32's large products in bfloat16 parts, or
+//                             with TF32 allowed in float16: float32_split.cuh).
 //
 // Every reduction runs in an order fixed by the shapes and the GPU, and
 // cuBLAS is reproducible on a given GPU, so results are bitwise the same from
@@ -34,8 +36,11 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/ops/abs.h>
+#include <ATen/ops/amax.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/mul.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -340,6 +345,7 @@ struct AnchorWeightRule {
   int64_t n_cols;
   int64_t first_col; // the strip's, as left_out_column counts it
   const int64_t* left_out; // (n_rows,): with a reference set, each row's left-out column of it; or null
+  const float* weight_scale; // (): a power of two W is taken times (HalfProducts), or null
 
   struct Shared {
     float4 row[kMmaTile]; // (-LSE_P, -LSE_N in Units, factor, unused); factor 0 past the end
@@ -347,11 +353,12 @@ struct AnchorWeightRule {
     int skipped[kMmaTile]; // the column of the tile with each row's pair in no set, or -1
   };
 
-  // A row's or column's (B, 3) record as Shared holds it, or none (factor 0).
-  __device__ __forceinline__ static float4 scaled(const float* records, int64_t index, bool inside) {
+  // A row's or column's (B, 3) record as Shared holds it, its factor times
+  // scale, or none (factor 0).
+  __device__ __forceinline__ static float4 scaled(const float* records, int64_t index, bool inside, float scale) {
     if (!inside) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     const RowCoefficients<float> c = RowCoefficients<float>::at(records, index);
-    return make_float4(Units::offset(c.lse[0]).hi, Units::offset(c.lse[1]).hi, c.factor, 0.0f);
+    return make_float4(Units::offset(c.lse[0]).hi, Units::offset(c.lse[1]).hi, c.factor * scale, 0.0f);
   }
 
   // factor·exp(z - LSE of the set) for one side's coefficients, u = z in
@@ -364,14 +371,15 @@ struct AnchorWeightRule {
     static_assert(2 * kMmaTile == kMmaThreads, "one row or column a thread");
     const int i = threadIdx.x % kMmaTile;
     const bool self = col_coefficients != nullptr;
+    const float scale = weight_scale != nullptr ? *weight_scale : 1.0f;
     if (threadIdx.x < kMmaTile) {
       const int64_t r = row0 + i;
       const bool inside = r < n_rows;
-      shared.row[i] = scaled(row_coefficients, r, inside);
+      shared.row[i] = scaled(row_coefficients, r, inside, scale);
       shared.skipped[i] = inside ? tile_left_out_column(self, left_out, r, first_col, n_cols, col0) : -1;
     } else {
       const int64_t c = col0 + i;
-      shared.col[i] = scaled(col_coefficients, c, self && c < n_cols);
+      shared.col[i] = scaled(col_coefficients, c, self && c < n_cols, scale);
     }
   }
 
@@ -761,15 +769,30 @@ class AnchorPasses {
     }
     const std::vector<Strip> strips = gradient_strips();
     if (tensor_cores_) take_tile_features(/*for_gradient=*/true);
+    HalfProducts halves;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (takes_half_products()) {
+        // W / |dz/ds| = g_i·σ(Z_i)·exp(z - LSE_set(i)) is at most the largest
+        // |factor|, twice without a reference set (an entry carries (i, j)
+        // and (j, i)).
+        const at::Tensor factor = at::mul(at::amax(at::abs(coefficients.select(1, 2))), self_ ? 2.0 : 1.0);
+        halves = HalfProducts(q_.features, self_ ? at::Tensor() : r_.features, factor, logit_);
+      }
+    }
     const int64_t largest = strips.front().rows * strips.front().cols;
     // W in bfloat16 parts where the products take the features' parts
-    // (float32_split.cuh).
+    // (float32_split.cuh), in float16 for HalfProducts.
     const bool in_parts = tensor_cores_ && q_tiles_.has_parts();
     const at::Tensor weight_space = in_parts ? at::empty({largest}, q_.features.options().dtype(at::kBFloat16))
+        : halves.defined()                   ? at::empty({largest}, q_.features.options().dtype(at::kHalf))
                                              : make_weight_space(largest, /*over_similarities=*/!tensor_cores_);
     const at::Tensor small_weight_space = in_parts ? at::empty_like(weight_space) : at::Tensor();
-    const SplitMatrix q = in_parts ? q_tiles_.parts() : SplitMatrix{q_.features, {}};
-    const SplitMatrix r = in_parts ? r_tiles_.parts() : SplitMatrix{r_.features, {}};
+    const SplitMatrix q = halves.defined() ? halves.rows()
+        : tensor_cores_                    ? q_tiles_.parts()
+                                           : SplitMatrix{q_.features, {}};
+    const SplitMatrix r = halves.defined() ? halves.cols()
+        : tensor_cores_                    ? r_tiles_.parts()
+                                           : SplitMatrix{r_.features, {}};
     // Last strip first: a strip writes its own rows before any earlier one
     // adds its mirrored share to them; with a reference set the last strip's
     // chunks write dR, the earlier ones add to it.
@@ -780,6 +803,7 @@ class AnchorPasses {
       const acc_t* col_coefficients = self_ ? coefficient + kValues * strip->col0 : nullptr;
       const SplitMatrix weights = tensor_cores_
           ? launch_tile_weights(*strip, weight_space, small_weight_space, row_coefficients, col_coefficients,
+                                halves.defined() ? halves.weight_scale() : nullptr,
                                 /*after_products=*/strip != strips.crbegin())
           : SplitMatrix{launch_weights(*strip, strip_similarities(q_, r_, *strip, similarity_space()), weight_space,
                                        row_coefficients, col_coefficients),
@@ -795,6 +819,10 @@ class AnchorPasses {
         split_matmul(grad_r.narrow(0, strip->col0, strip->cols), weights.t(), own_rows,
                      /*accumulate=*/strip->row0 != strips.back().row0);
       }
+    }
+    if (halves.defined()) {
+      halves.unscale(grad_q);
+      halves.unscale(grad_r);
     }
     return {grad_q, grad_r};
   }
@@ -864,11 +892,19 @@ class AnchorPasses {
 
   // Q and R as the tensor-core kernels take them, for tile_operands; made
   // by the passes that use them (a split of float32 features takes 4·D a
-  // row, and 2·D more where for_gradient's products take parts).
+  // row, and 2·D more for the bfloat16 parts of for_gradient's large
+  // products).
   void take_tile_features(bool for_gradient) {
-    const bool with_parts = for_gradient && products_take_parts(q_.size(), r_.size(), q_.dim());
-    q_tiles_ = TileFeatures<scalar_t>(q_.features, with_parts);
-    r_tiles_ = self_ ? q_tiles_ : TileFeatures<scalar_t>(r_.features, with_parts);
+    const bool for_products = for_gradient && prepares_products(q_.size(), r_.size(), q_.dim());
+    q_tiles_ = TileFeatures<scalar_t>(q_.features, for_products);
+    r_tiles_ = self_ ? q_tiles_ : TileFeatures<scalar_t>(r_.features, for_products);
+  }
+
+  // Whether the backward's products run in float16 (HalfProducts): float32
+  // on the tiles with TF32 allowed, at a size that pays for their operands.
+  bool takes_half_products() const {
+    return tensor_cores_ && std::is_same_v<scalar_t, float> && cublas_may_use_tf32() &&
+        prepares_products(q_.size(), r_.size(), q_.dim());
   }
 
   // The strip's two sides as the tensor-core kernels take them.
@@ -900,7 +936,8 @@ class AnchorPasses {
   }
 
   // tile_weights_kernel over a strip, as launch_weights without S; in
-  // bfloat16 parts where small_weight_space is defined. after_products: the
+  // bfloat16 parts where small_weight_space is defined, scaled by
+  // weight_scale where that is given (HalfProducts). after_products: the
   // stream's last kernels are the products of the previous strip's W, of
   // which the kernel is made a dependent.
   SplitMatrix launch_tile_weights(
@@ -909,13 +946,14 @@ class AnchorPasses {
       const at::Tensor& small_weight_space,
       const acc_t* row_coefficients,
       const acc_t* col_coefficients,
+      const float* weight_scale,
       bool after_products) const {
     const SplitMatrix weights = strip_weights(weight_space, small_weight_space, strip);
     if constexpr (kHasMmaTiles<scalar_t>) {
       launch_tile_weights_kernel(after_products, tile_operands(strip),
                                  AnchorWeightRule<TileUnits<scalar_t>>{logit_, row_coefficients, col_coefficients,
                                                                        strip.rows, strip.cols, first_column(strip),
-                                                                       left_out(strip)},
+                                                                       left_out(strip), weight_scale},
                                  /*symmetric=*/false, weights);
     }
     return weights;

@@ -42,7 +42,8 @@
 //                         the tiles above its diagonal, stored both ways);
 //                         cuBLAS then multiplies W by F as above (split
 //                         float32 as three products of W's and F's
-//                         bfloat16 parts, float32_split.cuh). W alone
+//                         bfloat16 parts, float32_split.cuh; with TF32
+//                         allowed, W and F in float16). W alone
 //                         leaves strips room for more rows, and wide ones
 //                         are cut into chunks of columns (plan_column_chunks).
 //
@@ -66,6 +67,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace circle_loss {
@@ -283,10 +285,11 @@ template <typename Units>
 struct GlobalWeightRule {
   PairLogit<float> logit;
   const double* scalars; // (LSE_P, LSE_N, loss, 2σ(Z))
+  const float* weight_scale; // (): a power of two W is taken times (HalfProducts), or null
 
   struct Shared {
     WeightOffset offset[2]; // of (LSE_P, LSE_N)
-    float scale; // 2σ(Z)
+    float scale; // 2σ(Z), times weight_scale
   };
 
   __device__ __forceinline__ void load(Shared& shared, int64_t, int64_t) const {
@@ -294,7 +297,7 @@ struct GlobalWeightRule {
     const LossScalars loss = LossScalars::load(scalars);
     shared.offset[0] = Units::offset(loss.lse_positive);
     shared.offset[1] = Units::offset(loss.lse_negative);
-    shared.scale = static_cast<float>(loss.grad_scale);
+    shared.scale = static_cast<float>(loss.grad_scale) * (weight_scale != nullptr ? *weight_scale : 1.0f);
   }
 
   __device__ __forceinline__ auto at(const Shared& shared) const {
@@ -312,6 +315,21 @@ struct GlobalWeightRule {
     };
   }
 };
+
+// GlobalWeightRule's W / |dz/ds| is at most 2σ(Z)·exp(max z - LSE) = 2σ(Z)/Σ
+// over each set, Σ its folded sum relative to its largest logit (at least
+// 1 where the set has pairs): HalfProducts' weight factor. A bound from
+// the logits alone would be off by the number of pairs the weights spread
+// over, and put them among float16's subnormals.
+__global__ void global_weight_factor_kernel(
+    const double* __restrict__ scalars, // (LSE_P, LSE_N, loss, 2σ(Z))
+    const double* __restrict__ folded, // (max_P, Σ_P, max_N, Σ_N)
+    float* __restrict__ factor) { // ()
+  const PairStates<double> sets = PairStates<double>::at(folded, 0);
+  const double largest_share = fmax(sets.positive.sum > 0.0 ? 1.0 / sets.positive.sum : 0.0,
+                                    sets.negative.sum > 0.0 ? 1.0 / sets.negative.sum : 0.0);
+  *factor = static_cast<float>(LossScalars::load(scalars).grad_scale * largest_share);
+}
 
 // negative_max[strip] = max(negative_max[strip - 1], the largest negative
 // logit of this strip), from the strip's LSE partials: the stabiliser of its
@@ -719,8 +737,8 @@ class StripPasses {
  public:
   using acc_t = at::opmath_type<scalar_t>;
 
-  // for_gradient: the gradient pass will run (split float32 features then
-  // keep the bfloat16 parts its products take).
+  // for_gradient: the gradient pass will run (float32 features then keep
+  // the operands its products take: TileFeatures).
   StripPasses(const KernelRows& rows, const KernelRows& cols, bool symmetric, double margin, double gamma,
               bool for_gradient)
       : rows_(rows),
@@ -734,9 +752,13 @@ class StripPasses {
                               : plan_strips(rows.size(), cols.size(), symmetric, sizeof(acc_t))),
         sms_(multiprocessors()) {
     if (tensor_cores_) {
-      const bool with_parts = for_gradient && products_take_parts(rows.size(), cols.size(), rows.dim());
-      row_tiles_ = TileFeatures<scalar_t>(rows.features, with_parts);
-      col_tiles_ = symmetric ? row_tiles_ : TileFeatures<scalar_t>(cols.features, with_parts);
+      const bool for_products = for_gradient && prepares_products(rows.size(), cols.size(), rows.dim());
+      // Those of the symmetric op with TF32 allowed run in float16
+      // (HalfProducts): the op has the loss's folded sums that bound W; the
+      // block ops are given its scalars alone.
+      half_products_ = for_products && symmetric && std::is_same_v<scalar_t, float> && cublas_may_use_tf32();
+      row_tiles_ = TileFeatures<scalar_t>(rows.features, for_products);
+      col_tiles_ = symmetric ? row_tiles_ : TileFeatures<scalar_t>(cols.features, for_products);
     }
     // The tiles' loss pass needs no workspace: theirs is W's, made by the
     // gradient pass.
@@ -764,23 +786,30 @@ class StripPasses {
   }
 
   // Gradient pass after the loss pass: Σ_j G_ij cols_j for every row (R, D),
-  // in acc_t, from scalars = (LSE_P, LSE_N, loss, 2σ(Z)) on the device. S is
-  // formed again, strip by strip, last to first: the last strip reuses the S
-  // the loss pass left, and each strip's own rows are written before any
-  // earlier strip adds its transposed share to them.
-  at::Tensor gradient(const at::Tensor& scalars) {
+  // in acc_t, from scalars = (LSE_P, LSE_N, loss, 2σ(Z)) on the device, and
+  // for the symmetric op's float16 products the loss pass's folded partial
+  // (max_P, Σ_P, max_N, Σ_N). S is formed again, strip by strip, last to
+  // first: the last strip reuses the S the loss pass left, and each strip's
+  // own rows are written before any earlier strip adds its transposed share
+  // to them.
+  at::Tensor gradient(const at::Tensor& scalars, const at::Tensor& folded = at::Tensor()) {
     at::Tensor grad = at::empty({rows_.size(), rows_.features.size(1)}, rows_.features.options().dtype(dtype_of<acc_t>()));
     if (tensor_cores_) {
-      // W whole, or its big bfloat16 part where the products take parts
-      // (float32_split.cuh) and its small one beside it.
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (half_products_) half_products_of_ = HalfProducts(rows_.features, at::Tensor(), weight_factor(scalars, folded), logit_);
+      }
+      // W whole, in float16 for HalfProducts, or its big bfloat16 part where
+      // the products take parts (float32_split.cuh) and its small one beside it.
       const bool parts = row_tiles_.has_parts();
-      workspace_ = at::empty({largest_strip()}, rows_.features.options().dtype(parts ? at::kBFloat16 : dtype_of<scalar_t>()));
+      workspace_ = at::empty({largest_strip()}, rows_.features.options().dtype(
+                                                    parts ? at::kBFloat16 : half_products_ ? at::kHalf : dtype_of<scalar_t>()));
       if (parts) small_workspace_ = at::empty_like(workspace_);
       for (auto strip = strips_.crbegin(); strip != strips_.crend(); ++strip) {
         const bool after_products = strip != strips_.crbegin();
         add_strip_gradient(grad, launch_tile_weights(*strip, scalars.data_ptr<double>(), after_products), *strip,
                            /*accumulate_own=*/!last_chunk_of_rows(strips_, strip), /*accumulate_below=*/true);
       }
+      if (half_products_) half_products_of_.unscale(grad);
       return grad;
     }
     const at::Tensor weight_space = make_weight_space();
@@ -908,10 +937,20 @@ class StripPasses {
       launch_tile_weights_kernel(after_products,
                                  make_tile_operands(row_tiles_.rows().from(strip.row0), row_labels(strip), strip.rows,
                                                     col_tiles_.cols().from(strip.col0), col_labels(strip), strip.cols),
-                                 GlobalWeightRule<TileUnits<scalar_t>>{logit_, scalars},
+                                 GlobalWeightRule<TileUnits<scalar_t>>{
+                                     logit_, scalars, half_products_ ? half_products_of_.weight_scale() : nullptr},
                                  symmetric_ && strip.col0 == strip.row0, weights);
     }
     return weights;
+  }
+
+  // global_weight_factor_kernel's bound, () float32 on the device.
+  at::Tensor weight_factor(const at::Tensor& scalars, const at::Tensor& folded) const {
+    at::Tensor factor = at::empty({}, rows_.features.options().dtype(at::kFloat));
+    global_weight_factor_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        scalars.data_ptr<double>(), folded.data_ptr<double>(), factor.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return factor;
   }
 
   const int64_t* row_labels(const Strip& strip) const { return rows_.labels.data_ptr<int64_t>() + strip.row0; }
@@ -967,8 +1006,12 @@ class StripPasses {
       const Strip& strip,
       bool accumulate_own,
       bool accumulate_below) const {
-    const SplitMatrix rows = tensor_cores_ ? row_tiles_.parts() : SplitMatrix{rows_.features, {}};
-    const SplitMatrix cols = tensor_cores_ ? col_tiles_.parts() : SplitMatrix{cols_.features, {}};
+    const SplitMatrix rows = half_products_ ? half_products_of_.rows()
+        : tensor_cores_                     ? row_tiles_.parts()
+                                            : SplitMatrix{rows_.features, {}};
+    const SplitMatrix cols = half_products_ ? half_products_of_.cols()
+        : tensor_cores_                     ? col_tiles_.parts()
+                                            : SplitMatrix{cols_.features, {}};
     split_matmul(grad.narrow(0, strip.row0, strip.rows), weights, cols.narrow(0, strip.col0, strip.cols), accumulate_own);
     if (symmetric_ && strip.mirrored() > 0) {
       split_matmul(
@@ -986,22 +1029,26 @@ class StripPasses {
   bool tensor_cores_; // S formed and consumed in registers (mma_tiles.cuh)
   TileFeatures<scalar_t> row_tiles_; // with tensor_cores_, rows and cols as the tiles take them
   TileFeatures<scalar_t> col_tiles_;
+  bool half_products_ = false; // the gradient's products in float16 (HalfProducts)
+  HalfProducts half_products_of_; // made by the gradient pass
   std::vector<Strip> strips_;
   int sms_;
-  at::Tensor workspace_; // (largest strip,): S in acc_t, or with tensor_cores_ (from the gradient pass on) the weights in scalar_t (parts: W's big bfloat16 part)
+  at::Tensor workspace_; // (largest strip,): S in acc_t, or with tensor_cores_ (from the gradient pass on) the weights in scalar_t (parts: W's big bfloat16 part; half_products_: float16)
   at::Tensor small_workspace_; // (largest strip,): where the products take parts, W's small bfloat16 part
   bool last_strip_in_workspace_ = false;
 };
 
-// (LSE_P, LSE_N, loss, 2σ(Z)) as a float64 device tensor; writes the loss.
+// The loss pass's (LSE_P, LSE_N, loss, 2σ(Z)) and folded partial (max_P,
+// Σ_P, max_N, Σ_N), as float64 device tensors; writes the loss.
 template <typename scalar_t>
-at::Tensor loss_scalars(StripPasses<scalar_t>& passes, const at::Tensor& features, at::Tensor& loss) {
+std::pair<at::Tensor, at::Tensor> loss_scalars(StripPasses<scalar_t>& passes, const at::Tensor& features, at::Tensor& loss) {
   using acc_t = at::opmath_type<scalar_t>;
   const at::Tensor partials = passes.lse_partials();
   at::Tensor scalars = at::empty({4}, features.options().dtype(at::kDouble));
-  launch_finalize<kFinalizeThreads>(
-      partials.data_ptr<acc_t>(), partials.size(0), nullptr, scalars.data_ptr<double>(), loss.data_ptr<scalar_t>());
-  return scalars;
+  at::Tensor folded = at::empty({4}, features.options().dtype(at::kDouble));
+  launch_finalize<kFinalizeThreads>(partials.data_ptr<acc_t>(), partials.size(0), folded.data_ptr<double>(),
+                                    scalars.data_ptr<double>(), loss.data_ptr<scalar_t>());
+  return {scalars, folded};
 }
 
 // The loss, and with with_grad dloss/dfeatures (else an undefined tensor):
@@ -1036,9 +1083,12 @@ std::tuple<at::Tensor, at::Tensor> loss_and_grad_cuda(
     const bool tf32 = std::is_same_v<scalar_t, float> && cublas_may_use_tf32();
     const bool one_pass = std::is_same_v<scalar_t, at::opmath_type<scalar_t>> && passes.strip_count() > 1 &&
         !passes.on_tensor_cores() && !tf32;
-    const at::Tensor grad_acc =
-        one_pass ? passes.loss_and_gradient(loss) : passes.gradient(loss_scalars(passes, features, loss));
-    grad = grad_acc.to(features.scalar_type());
+    if (one_pass) {
+      grad = passes.loss_and_gradient(loss).to(features.scalar_type());
+    } else {
+      const auto [scalars, folded] = loss_scalars(passes, features, loss);
+      grad = passes.gradient(scalars, folded).to(features.scalar_type());
+    }
   });
   return {loss, grad};
 }

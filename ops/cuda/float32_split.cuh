@@ -11,12 +11,22 @@
 //     The tensor cores' float32 accumulation over K, not the parts, bounds
 //     their error (bench/NOTES.md), and PyTorch offers no TF32 GEMM the
 //     user has not allowed.
+// Where TF32 is allowed, S takes float32 whole on the tiles, and large
+// products G = W·F take W and F in float16 (HalfProducts): the same 11
+// significant bits as TF32, at twice cuBLAS's TF32 rate at these shapes,
+// brought into float16's range by powers of two.
 #pragma once
 
 #include "strips.cuh"
 
 #include <ATen/Context.h>
+#include <ATen/ops/amax.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/maximum.h>
+#include <ATen/ops/mul.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <type_traits>
 
@@ -37,16 +47,16 @@ inline bool splits_to_tf32() {
   return std::is_same_v<T, float> && !cublas_may_use_tf32();
 }
 
-// Whether the gradient's products take split float32 features in bfloat16
-// parts, three GEMMs a product, rather than whole, one float32 SGEMM: where
-// rows × cols × D, the work of W·F, is at least kPartsWork. The three
-// launches cost the host more than the one; below that size the op is
-// bound by the host, and the SGEMM's longer run is hidden behind it
-// (bench/NOTES.md).
-constexpr double kPartsWork = 4294967296.0; // 2^32: B = 2 896 at D = 512
+// Whether the gradient's products are worth operands made for them: split
+// float32's bfloat16 parts (three bfloat16 GEMMs a product rather than one
+// float32 SGEMM; TileFeatures), or with TF32 allowed float16 ones
+// (HalfProducts). Where rows × cols × D, the work of W·F, is at least
+// kPreparedProductsWork: below, the op is bound by the host, which the
+// extra launches cost more than the GPU time they save (bench/NOTES.md).
+constexpr double kPreparedProductsWork = 4294967296.0; // 2^32: B = 2 896 at D = 512
 
-inline bool products_take_parts(int64_t n_rows, int64_t n_cols, int64_t dim) {
-  return static_cast<double>(n_rows) * static_cast<double>(n_cols) * static_cast<double>(dim) >= kPartsWork;
+inline bool prepares_products(int64_t n_rows, int64_t n_cols, int64_t dim) {
+  return static_cast<double>(n_rows) * static_cast<double>(n_cols) * static_cast<double>(dim) >= kPreparedProductsWork;
 }
 
 // x rounded to TF32's 10-bit mantissa, to nearest, ties away from zero: a
@@ -122,6 +132,79 @@ inline SplitMatrix strip_weights(const at::Tensor& space, const at::Tensor& smal
   const auto view = [&](const at::Tensor& s) { return s.narrow(0, 0, strip.rows * strip.cols).view({strip.rows, strip.cols}); };
   return {view(space), small_space.defined() ? view(small_space) : small_space};
 }
+
+// The power of two 2^e, |e| ≤ kMaxHalfShift, that brings a nonnegative
+// bound to at most 2^kHalfReach: four times below float16's largest value,
+// room for what the kernels round above the bound; e = 0 where the bound is
+// 0 or not finite (NaN and infinities then reach the products as they are).
+constexpr int kHalfReach = 14;
+constexpr int kMaxHalfShift = 100;
+
+__device__ inline int half_shift(double bound) {
+  if (!(bound > 0.0) || isinf(bound)) return 0;
+  int exponent; // bound < 2^exponent
+  frexp(bound, &exponent);
+  return min(max(kHalfReach - exponent, -kMaxHalfShift), kMaxHalfShift);
+}
+
+// scales = (2^w, 2^f, 2^-(w+f)): W's, F's and the products' way back. F's
+// bound is its largest row norm, which bounds every entry; W's is
+// weight_factor · γ(1 + |m| + norm²), the caller's bound on W / |dz/ds|
+// times |dz/ds| = γα's, α bounded through |s| ≤ norm².
+__global__ void half_product_scales_kernel(
+    const float* __restrict__ largest_norm, // ()
+    const float* __restrict__ weight_factor, // ()
+    PairLogit<float> logit,
+    float* __restrict__ scales) { // (3,)
+  const double norm = *largest_norm;
+  const double weight_bound =
+      static_cast<double>(*weight_factor) * logit.gamma * (1.0 + fabs(static_cast<double>(logit.margin)) + norm * norm);
+  const int features = half_shift(norm);
+  // Both shifts and their sum's inverse stay normal float32 numbers.
+  const int weights = min(max(half_shift(weight_bound), -126 - features), 126 - features);
+  scales[0] = ldexpf(1.0f, weights);
+  scales[1] = ldexpf(1.0f, features);
+  scales[2] = ldexpf(1.0f, -(weights + features));
+}
+
+// The gradient's products where TF32 is allowed, as float16 GEMMs with
+// float32 results: W in the tiles' float16 output, scaled by
+// weight_scale() (exactly: a power of two), the rows' and columns'
+// features (n, D) scaled alike by one power of two, and G·F scaled by both
+// until unscale() takes it back. Scaled, W's bound is 2^14: a weight from
+// 2^-28 of the bound up is a normal float16 number and keeps TF32's 11
+// bits; one below is off by at most 2^-39 of the bound. Over a row of M
+// weights that adds at most M·2^-39 of the bound, within TF32's error of
+// every row whose weights sum to M·2^-28 of the bound or more, and far
+// within it of the rows that carry the gradient (bench/NOTES.md).
+class HalfProducts {
+ public:
+  HalfProducts() = default;
+
+  // rows, cols: (n, D) float32 (cols undefined: the rows again);
+  // weight_factor: () float32 on the device, a bound on W / |dz/ds|.
+  HalfProducts(const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& weight_factor, PairLogit<float> logit)
+      : scales_(at::empty({3}, rows.options())) {
+    at::Tensor largest_norm = at::amax(at::linalg_vector_norm(rows, 2, {1}));
+    if (cols.defined()) largest_norm = at::maximum(largest_norm, at::amax(at::linalg_vector_norm(cols, 2, {1})));
+    half_product_scales_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        largest_norm.data_ptr<float>(), weight_factor.data_ptr<float>(), logit, scales_.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    rows_ = at::mul(rows, scales_[1]).to(at::kHalf);
+    cols_ = cols.defined() ? at::mul(cols, scales_[1]).to(at::kHalf) : rows_;
+  }
+
+  bool defined() const { return scales_.defined(); }
+  SplitMatrix rows() const { return {rows_, at::Tensor()}; }
+  SplitMatrix cols() const { return {cols_, at::Tensor()}; }
+  const float* weight_scale() const { return scales_.data_ptr<float>(); }
+  void unscale(at::Tensor& grad) const { grad.mul_(scales_[2]); }
+
+ private:
+  at::Tensor scales_; // (3,) float32: half_product_scales_kernel's
+  at::Tensor rows_; // (n, D) float16: the rows' features · 2^f
+  at::Tensor cols_; // the columns', or rows_
+};
 
 // out = a · b, or with accumulate out += a · b, in out's dtype: split
 // operands (both or neither) as three products, the small ones first.

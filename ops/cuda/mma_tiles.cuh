@@ -313,18 +313,18 @@ TileOperands<T> make_tile_operands(
 // (n, 4·D) buffer [big | small | big | big] (D rounded up to whole 16-byte
 // chunks, zeros beyond it), the small products first. The sum is symmetric
 // in i and j as x_i · x_j is, so symmetric products may keep one of two
-// tiles. Split features made with_parts also keep their bfloat16 parts for
-// the gradient's products (parts()).
+// tiles. Made for_products, split features also keep their bfloat16 parts
+// for the gradient's products (parts()).
 template <typename T>
 class TileFeatures {
  public:
   TileFeatures() = default;
 
   // features: (n, D) contiguous, such that tiles_take<T>(features).
-  // with_parts: the gradient's products will take split features in
-  // bfloat16 parts (products_take_parts); the pass that needs no products,
-  // or whole ones, is spared writing them.
-  TileFeatures(const at::Tensor& features, bool with_parts)
+  // for_products: the gradient's products will take these features at a
+  // size that pays for operands made for them (prepares_products); a pass
+  // that runs no products, or small ones, is spared making them.
+  TileFeatures(const at::Tensor& features, bool for_products)
       : features_(features), storage_(features), dim_(features.size(1)), width_(features.size(1)) {
     if constexpr (std::is_same_v<T, float>) {
       if (!splits_to_tf32<T>()) return;
@@ -333,13 +333,13 @@ class TileFeatures {
       width_ = (dim_ + kChunk - 1) / kChunk * kChunk;
       split_ = true;
       storage_ = at::empty({n, kSplitParts * width_}, features.options());
-      if (with_parts) products_ = at::empty({n, 2 * dim_}, features.options().dtype(at::kBFloat16));
+      if (for_products) products_ = at::empty({n, 2 * dim_}, features.options().dtype(at::kBFloat16));
       const int64_t total = n * width_;
       if (total == 0) return;
       const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 8 * multiprocessors());
       split_float32_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
           features.data_ptr<float>(), n, dim_, width_, storage_.data_ptr<float>(),
-          with_parts ? products_.data_ptr<c10::BFloat16>() : nullptr);
+          for_products ? products_.data_ptr<c10::BFloat16>() : nullptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
@@ -971,17 +971,18 @@ struct alignas(8) TileLabels {
 // and the ones above store their tile's transpose too. Launched as a
 // dependent of the products that read the previous strip's W from the same
 // memory, a CTA forms its tile while they finish and waits only before it
-// stores. W goes out in the features' dtype, or for split float32 in
-// bfloat16 parts (Out, float32_split.cuh): W rounded to Out to weights,
-// what that rounding leaves to small_weights.
+// stores. W goes out in the features' dtype, for split float32 in bfloat16
+// parts (Out, float32_split.cuh): W rounded to Out to weights, what that
+// rounding leaves to small_weights; or for float32 in TF32 as float16
+// scaled by the Rule (half_products.cuh).
 template <typename T, typename Rule, typename Out = T>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
     const __grid_constant__ TileOperands<T> in,
     const Rule rule,
     bool symmetric,
     Out* __restrict__ weights, // (R, C)
-    Out* __restrict__ small_weights) { // (R, C) where Out is not T, else unused
-  constexpr bool kParts = !std::is_same_v<Out, T>;
+    Out* __restrict__ small_weights) { // (R, C) where Out is bfloat16 for float32 features, else unused
+  constexpr bool kParts = std::is_same_v<T, float> && std::is_same_v<Out, c10::BFloat16>;
   extern __shared__ __align__(128) unsigned char stages[];
   constexpr int kStride = kMmaTile + 8; // padded rows of the staged tile: its writes avoid bank conflicts
   static_assert(kStride * sizeof(Out) % 16 == 0, "staged rows start 16-byte aligned");
@@ -1076,8 +1077,8 @@ inline bool mma_tiles_built() {
 }
 
 // tile_weights_kernel over a strip into weights (R, C): W whole in the
-// features' dtype, or split float32's bfloat16 parts. dependent: as
-// launch_kernel's.
+// features' dtype, split float32's bfloat16 parts, or for float32 float16
+// (weights.big's dtype). dependent: as launch_kernel's.
 template <typename T, typename Rule>
 void launch_tile_weights_kernel(
     bool dependent,
@@ -1094,6 +1095,13 @@ void launch_tile_weights_kernel(
       TORCH_INTERNAL_ASSERT(mma_tiles_built<kernel>());
       launch_kernel(dependent, kernel, grid, dim3(kMmaThreads), kMmaSharedBytes, in, rule, symmetric,
                     weights.big.data_ptr<c10::BFloat16>(), weights.small.data_ptr<c10::BFloat16>());
+      return;
+    }
+    if (weights.big.scalar_type() == at::kHalf) {
+      constexpr auto kernel = tile_weights_kernel<T, Rule, c10::Half>;
+      TORCH_INTERNAL_ASSERT(mma_tiles_built<kernel>());
+      launch_kernel(dependent, kernel, grid, dim3(kMmaThreads), kMmaSharedBytes, in, rule, symmetric,
+                    weights.big.data_ptr<c10::Half>(), static_cast<c10::Half*>(nullptr));
       return;
     }
   }
