@@ -974,7 +974,7 @@ struct alignas(8) TileLabels {
 // stores. W goes out in the features' dtype, for split float32 in bfloat16
 // parts (Out, float32_split.cuh): W rounded to Out to weights, what that
 // rounding leaves to small_weights; or for float32 in TF32 as float16
-// scaled by the Rule (half_products.cuh).
+// scaled by the Rule (HalfProducts, float32_split.cuh).
 template <typename T, typename Rule, typename Out = T>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
     const __grid_constant__ TileOperands<T> in,
