@@ -11,10 +11,11 @@
 //     The tensor cores' float32 accumulation over K, not the parts, bounds
 //     their error (bench/NOTES.md), and PyTorch offers no TF32 GEMM the
 //     user has not allowed.
-// Where TF32 is allowed, S takes float32 whole on the tiles, and large
-// products G = W·F take W and F in float16 (HalfProducts): the same 11
-// significant bits as TF32, at twice cuBLAS's TF32 rate at these shapes,
-// brought into float16's range by powers of two.
+// Where TF32 is allowed, S takes float32 whole on the tiles; at sizes that
+// pay for copies of the features (takes_half_features), the tiles and the
+// products G = W·F take them in float16 instead (HalfFeatures,
+// HalfProducts): the same 11 significant bits as TF32, at twice its rate
+// on the tensor cores, brought into float16's range by powers of two.
 #pragma once
 
 #include "strips.cuh"
@@ -24,7 +25,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/maximum.h>
-#include <ATen/ops/mul.h>
+#include <ATen/ops/nan_to_num.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -49,14 +50,21 @@ inline bool splits_to_tf32() {
 
 // Whether the gradient's products are worth operands made for them: split
 // float32's bfloat16 parts (three bfloat16 GEMMs a product rather than one
-// float32 SGEMM; TileFeatures), or with TF32 allowed float16 ones
-// (HalfProducts). Where rows × cols × D, the work of W·F, is at least
-// kPreparedProductsWork: below, the op is bound by the host, which the
-// extra launches cost more than the GPU time they save (bench/NOTES.md).
+// float32 SGEMM; TileFeatures), or with TF32 allowed float16 copies, which
+// the tiles take too (takes_half_features). Where rows × cols × D, the work
+// of W·F, is at least kPreparedProductsWork: below, the op is bound by the
+// host, which the extra launches cost more than the GPU time they save
+// (bench/NOTES.md).
 constexpr double kPreparedProductsWork = 4294967296.0; // 2^32: B = 2 896 at D = 512
 
 inline bool prepares_products(int64_t n_rows, int64_t n_cols, int64_t dim) {
   return static_cast<double>(n_rows) * static_cast<double>(n_cols) * static_cast<double>(dim) >= kPreparedProductsWork;
+}
+
+// Whether float32 features go to the tiles and products as HalfFeatures:
+// where TF32 is allowed, at a size that prepares_products.
+inline bool takes_half_features(int64_t n_rows, int64_t n_cols, int64_t dim) {
+  return cublas_may_use_tf32() && prepares_products(n_rows, n_cols, dim);
 }
 
 // x rounded to TF32's 10-bit mantissa, to nearest, ties away from zero: a
@@ -136,9 +144,10 @@ inline SplitMatrix strip_weights(const at::Tensor& space, const at::Tensor& smal
 // The power of two 2^e, |e| ≤ kMaxHalfShift, that brings a nonnegative
 // bound to at most 2^kHalfReach: four times below float16's largest value,
 // room for what the kernels round above the bound; e = 0 where the bound is
-// 0 or not finite (NaN and infinities then reach the products as they are).
+// 0 or not finite. kMaxHalfShift keeps 2^-2e, which takes S of features
+// scaled by 2^e back, a normal float32 number.
 constexpr int kHalfReach = 14;
-constexpr int kMaxHalfShift = 100;
+constexpr int kMaxHalfShift = 63;
 
 __device__ inline int half_shift(double bound) {
   if (!(bound > 0.0) || isinf(bound)) return 0;
@@ -147,15 +156,42 @@ __device__ inline int half_shift(double bound) {
   return min(max(kHalfReach - exponent, -kMaxHalfShift), kMaxHalfShift);
 }
 
-// scales = (2^w, 2^f, 2^-(w+f)): W's, F's and the products' way back. F's
-// bound is its largest row norm, which bounds every entry; W's is
+// scales = (2^f, 2^-2f): the features' scale and S's way back, f from
+// their largest finite row norm, which bounds every entry of such a row.
+__global__ void half_feature_scales_kernel(const float* __restrict__ largest_norm, float* __restrict__ scales) {
+  const int features = half_shift(*largest_norm);
+  scales[0] = ldexpf(1.0f, features);
+  scales[1] = ldexpf(1.0f, -2 * features);
+}
+
+// features (n, dim) times *scale, rounded to float16, into out (n, width):
+// zeros from dim to width.
+__global__ void scale_to_half_kernel(
+    const float* __restrict__ features,
+    int64_t n,
+    int64_t dim,
+    int64_t width,
+    const float* __restrict__ scale, // ()
+    c10::Half* __restrict__ out) {
+  const float by = *scale;
+  const int64_t total = n * width;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / width;
+    const int64_t k = i % width;
+    out[i] = static_cast<c10::Half>(k < dim ? features[row * dim + k] * by : 0.0f);
+  }
+}
+
+// scales = (2^w, 2^-(w+f)): W's scale and G·F's way back. W's bound is
 // weight_factor · γ(1 + |m| + norm²), the caller's bound on W / |dz/ds|
-// times |dz/ds| = γα's, α bounded through |s| ≤ norm².
-__global__ void half_product_scales_kernel(
+// times |dz/ds| = γα's, α bounded through |s| ≤ norm²; f is
+// half_feature_scales_kernel's.
+__global__ void half_weight_scales_kernel(
     const float* __restrict__ largest_norm, // ()
     const float* __restrict__ weight_factor, // ()
     PairLogit<float> logit,
-    float* __restrict__ scales) { // (3,)
+    float* __restrict__ scales) { // (2,)
   const double norm = *largest_norm;
   const double weight_bound =
       static_cast<double>(*weight_factor) * logit.gamma * (1.0 + fabs(static_cast<double>(logit.margin)) + norm * norm);
@@ -163,45 +199,107 @@ __global__ void half_product_scales_kernel(
   // Both shifts and their sum's inverse stay normal float32 numbers.
   const int weights = min(max(half_shift(weight_bound), -126 - features), 126 - features);
   scales[0] = ldexpf(1.0f, weights);
-  scales[1] = ldexpf(1.0f, features);
-  scales[2] = ldexpf(1.0f, -(weights + features));
+  scales[1] = ldexpf(1.0f, -(weights + features));
 }
+
+// float32 features where TF32 is allowed, as the tiles and the gradient's
+// products take them from B·M·D = kPreparedProductsWork on: float16 copies
+// of the rows and columns, both times one power of two 2^f that brings the
+// largest finite row norm to at most 2^14. float16 holds TF32's 11
+// significant bits, and the tensor cores multiply it at twice TF32's rate
+// in any layout. The tiles form S times 2^2f and take it back by
+// similarity_unit() (exactly), so their epilogues see S itself. An entry
+// from 2^-28 of the largest norm up keeps 11 bits; one below is off by at
+// most 2^-39 of it, so S is off by at most 2^-39·√D·norm² beyond TF32's
+// rounding (docs/math.md).
+class HalfFeatures {
+ public:
+  HalfFeatures() = default;
+
+  // rows, cols: (n, D) float32, contiguous (cols undefined: the rows again).
+  HalfFeatures(const at::Tensor& rows, const at::Tensor& cols)
+      : largest_norm_(largest_finite_norm(rows)),
+        scales_(at::empty({2}, rows.options())),
+        dim_(rows.size(1)),
+        width_((rows.size(1) + kChunk - 1) / kChunk * kChunk) {
+    if (cols.defined()) largest_norm_ = at::maximum(largest_norm_, largest_finite_norm(cols));
+    half_feature_scales_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(largest_norm_.data_ptr<float>(),
+                                                                                scales_.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    rows_ = scaled(rows);
+    cols_ = cols.defined() ? scaled(cols) : rows_;
+  }
+
+  bool defined() const { return scales_.defined(); }
+  // (n, width) float16, width = D rounded up to whole 16-byte chunks, zeros
+  // beyond D: as the tiles take them.
+  const at::Tensor& rows() const { return rows_; }
+  const at::Tensor& cols() const { return cols_; }
+  // () float32 on the device: S = similarity_unit · rows · colsᵀ.
+  const float* similarity_unit() const { return scales_.data_ptr<float>() + 1; }
+  // () float32 on the device: the largest finite row norm of both.
+  const at::Tensor& largest_norm() const { return largest_norm_; }
+  int64_t dim() const { return dim_; }
+
+ private:
+  static constexpr int64_t kChunk = 16 / sizeof(c10::Half);
+
+  // The largest row norm that is finite (0 if none is): a row of NaN or
+  // infinities keeps them, and the others keep their scale.
+  static at::Tensor largest_finite_norm(const at::Tensor& features) {
+    return at::amax(at::nan_to_num(at::linalg_vector_norm(features, 2, {1}), 0.0, 0.0));
+  }
+
+  at::Tensor scaled(const at::Tensor& features) const {
+    const int64_t n = features.size(0);
+    at::Tensor out = at::empty({n, width_}, features.options().dtype(at::kHalf));
+    const int64_t blocks = std::clamp<int64_t>((n * width_ + kThreads - 1) / kThreads, 1, 8 * multiprocessors());
+    scale_to_half_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        features.data_ptr<float>(), n, dim_, width_, scales_.data_ptr<float>(), out.data_ptr<c10::Half>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return out;
+  }
+
+  at::Tensor largest_norm_; // () float32
+  at::Tensor scales_; // (2,) float32: half_feature_scales_kernel's
+  int64_t dim_ = 0;
+  int64_t width_ = 0;
+  at::Tensor rows_; // (n, width_) float16: the rows' features · 2^f
+  at::Tensor cols_; // the columns', or rows_
+};
 
 // The gradient's products where TF32 is allowed, as float16 GEMMs with
 // float32 results: W in the tiles' float16 output, scaled by
-// weight_scale() (exactly: a power of two), the rows' and columns'
-// features (n, D) scaled alike by one power of two, and G·F scaled by both
-// until unscale() takes it back. Scaled, W's bound is 2^14: a weight from
-// 2^-28 of the bound up is a normal float16 number and keeps TF32's 11
-// bits; one below is off by at most 2^-39 of the bound. Over a row of M
-// weights that adds at most M·2^-39 of the bound, within TF32's error of
-// every row whose weights sum to M·2^-28 of the bound or more, and far
-// within it of the rows that carry the gradient (bench/NOTES.md).
+// weight_scale() (exactly: a power of two), HalfFeatures' copies of the
+// rows and columns, and G·F scaled by both until unscale() takes it back.
+// Scaled, W's bound is 2^14: a weight from 2^-28 of the bound up is a
+// normal float16 number and keeps TF32's 11 bits; one below is off by at
+// most 2^-39 of the bound. Over a row of M weights that adds at most
+// M·2^-39 of the bound, within TF32's error of every row whose weights sum
+// to M·2^-28 of the bound or more, and far within it of the rows that carry
+// the gradient (bench/NOTES.md).
 class HalfProducts {
  public:
   HalfProducts() = default;
 
-  // rows, cols: (n, D) float32 (cols undefined: the rows again);
   // weight_factor: () float32 on the device, a bound on W / |dz/ds|.
-  HalfProducts(const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& weight_factor, PairLogit<float> logit)
-      : scales_(at::empty({3}, rows.options())) {
-    at::Tensor largest_norm = at::amax(at::linalg_vector_norm(rows, 2, {1}));
-    if (cols.defined()) largest_norm = at::maximum(largest_norm, at::amax(at::linalg_vector_norm(cols, 2, {1})));
-    half_product_scales_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        largest_norm.data_ptr<float>(), weight_factor.data_ptr<float>(), logit, scales_.data_ptr<float>());
+  HalfProducts(const HalfFeatures& features, const at::Tensor& weight_factor, PairLogit<float> logit)
+      : scales_(at::empty({2}, weight_factor.options())),
+        rows_(features.rows().narrow(1, 0, features.dim())),
+        cols_(features.cols().narrow(1, 0, features.dim())) {
+    half_weight_scales_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        features.largest_norm().data_ptr<float>(), weight_factor.data_ptr<float>(), logit, scales_.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    rows_ = at::mul(rows, scales_[1]).to(at::kHalf);
-    cols_ = cols.defined() ? at::mul(cols, scales_[1]).to(at::kHalf) : rows_;
   }
 
   bool defined() const { return scales_.defined(); }
   SplitMatrix rows() const { return {rows_, at::Tensor()}; }
   SplitMatrix cols() const { return {cols_, at::Tensor()}; }
   const float* weight_scale() const { return scales_.data_ptr<float>(); }
-  void unscale(at::Tensor& grad) const { grad.mul_(scales_[2]); }
+  void unscale(at::Tensor& grad) const { grad.mul_(scales_[1]); }
 
  private:
-  at::Tensor scales_; // (3,) float32: half_product_scales_kernel's
+  at::Tensor scales_; // (2,) float32: half_weight_scales_kernel's
   at::Tensor rows_; // (n, D) float16: the rows' features · 2^f
   at::Tensor cols_; // the columns', or rows_
 };
