@@ -17,8 +17,9 @@
 // dQ = W R and, where the references need a gradient, dR = Wᵀ Q (without a
 // reference set both go to Q, as in the global op's gradient pass).
 // float16/bfloat16 rows of whole 16-byte chunks, and float32 ones (in TF32
-// where it is allowed, else split into TF32 parts that keep float32's
-// accuracy), form S on the tensor cores (mma_tiles.cuh) and never write it:
+// where it is allowed, large ones as scaled float16 copies, else split into
+// TF32 parts that keep float32's accuracy), form S on the tensor cores
+// (mma_tiles.cuh) and never write it:
 //   tile_states_kernel        the forward: each tile's row states and, without
 //                             a reference set, above the diagonal its column
 //                             states, written as partials;

@@ -31,9 +31,9 @@
 // are float64's path, and that of features the tiles below do not take.
 //
 // float16/bfloat16 batches whose rows are whole 16-byte chunks, and float32
-// ones (in TF32 where it is allowed, else split into TF32 parts that keep
-// float32's accuracy), form S on the tensor cores instead (mma_tiles.cuh),
-// in registers, and never write it:
+// ones (in TF32 where it is allowed, large ones as scaled float16 copies,
+// else split into TF32 parts that keep float32's accuracy), form S on the
+// tensor cores instead (mma_tiles.cuh), in registers, and never write it:
 //   tile_lse_kernel       the loss pass in one launch over every tile on and
 //                         above the diagonal, partials as strip_lse_kernel's.
 //   tile_weights_kernel   (mma_tiles.cuh, with GlobalWeightRule) the gradient
@@ -767,7 +767,6 @@ class StripPasses {
     if (takes_halves_) {
       half_features_ = HalfFeatures(rows.features, at::Tensor());
       half_tiles_ = TileFeatures<c10::Half>(half_features_.rows(), /*for_products=*/false);
-      half_products_ = for_gradient;
     } else if (tensor_cores_) {
       const bool for_products = for_gradient && prepares_products(rows.size(), cols.size(), rows.dim());
       row_tiles_ = TileFeatures<scalar_t>(rows.features, for_products);
@@ -809,20 +808,20 @@ class StripPasses {
     at::Tensor grad = at::empty({rows_.size(), rows_.features.size(1)}, rows_.features.options().dtype(dtype_of<acc_t>()));
     if (tensor_cores_) {
       if constexpr (std::is_same_v<scalar_t, float>) {
-        if (half_products_) half_products_of_ = HalfProducts(half_features_, weight_factor(scalars, folded), logit_);
+        if (takes_halves_) half_products_ = HalfProducts(half_features_, weight_factor(scalars, folded), logit_);
       }
       // W whole, in float16 for HalfProducts, or its big bfloat16 part where
       // the products take parts (float32_split.cuh) and its small one beside it.
       const bool parts = row_tiles_.has_parts();
       workspace_ = at::empty({largest_strip()}, rows_.features.options().dtype(
-                                                    parts ? at::kBFloat16 : half_products_ ? at::kHalf : dtype_of<scalar_t>()));
+                                                    parts ? at::kBFloat16 : takes_halves_ ? at::kHalf : dtype_of<scalar_t>()));
       if (parts) small_workspace_ = at::empty_like(workspace_);
       for (auto strip = strips_.crbegin(); strip != strips_.crend(); ++strip) {
         const bool after_products = strip != strips_.crbegin();
         add_strip_gradient(grad, launch_tile_weights(*strip, scalars.data_ptr<double>(), after_products), *strip,
                            /*accumulate_own=*/!last_chunk_of_rows(strips_, strip), /*accumulate_below=*/true);
       }
-      if (half_products_) half_products_of_.unscale(grad);
+      if (takes_halves_) half_products_.unscale(grad);
       return grad;
     }
     const at::Tensor weight_space = make_weight_space();
@@ -976,7 +975,7 @@ class StripPasses {
         using T = typename std::decay_t<decltype(in)>::Scalar;
         launch_tile_weights_kernel(
             after_products, in,
-            GlobalWeightRule<TileUnits<T>>{logit_, scalars, half_products_ ? half_products_of_.weight_scale() : nullptr},
+            GlobalWeightRule<TileUnits<T>>{logit_, scalars, takes_halves_ ? half_products_.weight_scale() : nullptr},
             symmetric_ && strip.col0 == strip.row0, weights);
       });
     }
@@ -1045,12 +1044,12 @@ class StripPasses {
       const Strip& strip,
       bool accumulate_own,
       bool accumulate_below) const {
-    const SplitMatrix rows = half_products_ ? half_products_of_.rows()
-        : tensor_cores_                     ? row_tiles_.parts()
-                                            : SplitMatrix{rows_.features, {}};
-    const SplitMatrix cols = half_products_ ? half_products_of_.cols()
-        : tensor_cores_                     ? col_tiles_.parts()
-                                            : SplitMatrix{cols_.features, {}};
+    const SplitMatrix rows = takes_halves_ ? half_products_.rows()
+        : tensor_cores_                    ? row_tiles_.parts()
+                                           : SplitMatrix{rows_.features, {}};
+    const SplitMatrix cols = takes_halves_ ? half_products_.cols()
+        : tensor_cores_                    ? col_tiles_.parts()
+                                           : SplitMatrix{cols_.features, {}};
     split_matmul(grad.narrow(0, strip.row0, strip.rows), weights, cols.narrow(0, strip.col0, strip.cols), accumulate_own);
     if (symmetric_ && strip.mirrored() > 0) {
       split_matmul(
@@ -1071,11 +1070,10 @@ class StripPasses {
   TileFeatures<scalar_t> col_tiles_;
   HalfFeatures half_features_; // or with takes_halves_ these, and as the tiles take them:
   TileFeatures<c10::Half> half_tiles_;
-  bool half_products_ = false; // the gradient's products in float16 (HalfProducts)
-  HalfProducts half_products_of_; // made by the gradient pass
+  HalfProducts half_products_; // with takes_halves_, made by the gradient pass
   std::vector<Strip> strips_;
   int sms_;
-  at::Tensor workspace_; // (largest strip,): S in acc_t, or with tensor_cores_ (from the gradient pass on) the weights in scalar_t (parts: W's big bfloat16 part; half_products_: float16)
+  at::Tensor workspace_; // (largest strip,): S in acc_t, or with tensor_cores_ (from the gradient pass on) the weights in scalar_t (parts: W's big bfloat16 part; takes_halves_: float16)
   at::Tensor small_workspace_; // (largest strip,): where the products take parts, W's small bfloat16 part
   bool last_strip_in_workspace_ = false;
 };

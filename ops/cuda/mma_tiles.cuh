@@ -1,8 +1,10 @@
 // Tiles of S = rows · colsᵀ on the tensor cores, for float16, bfloat16 and
 // float32 features: S accumulates in float32 registers and is handed to an
 // epilogue in place, so that it never goes to memory. float32 is multiplied
-// in TF32 where the user allows TF32, and otherwise split into TF32 parts
-// that keep float32's accuracy (TileFeatures). Used by circle_loss_cuda.cu
+// in TF32 where the user allows TF32 (at large sizes as float16 copies
+// scaled by a power of two, HalfFeatures, which TileUnit takes back), and
+// otherwise split into TF32 parts that keep float32's accuracy
+// (TileFeatures). Used by circle_loss_cuda.cu
 // and anchor_loss_cuda.cu for the LSE partials and the gradient weights.
 //
 // A CTA of kMmaThreads threads owns a kMmaTile × kMmaTile tile of S. The
