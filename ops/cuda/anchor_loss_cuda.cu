@@ -516,8 +516,9 @@ __device__ __forceinline__ void tile_row_states(
 // they belong to. Each row's (column's) partials lie together, for the fold.
 // Every share of a row or column is summed against its own maximum, so the
 // states are exact however far apart the logits lie: one exp an entry for
-// the rows, one more for the columns.
-template <typename T>
+// the rows, one more for the columns. Units: those of the features' dtype
+// (HalfFeatures' float16 operands keep float32's).
+template <typename T, typename Units>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
     const __grid_constant__ TileOperands<T> in,
     bool self,
@@ -555,7 +556,6 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
   TileStatesScratch& scratch = *stage_memory<TileStatesScratch>(stages);
   const bool every_entry = pairs.valid_rows == kMmaTile && pairs.valid_cols == kMmaTile && !(self && ti == tj) &&
       left_out == nullptr;
-  using Units = TileUnits<T>;
   const TileLogit tile_logit(logit, Units::kScale);
   if (every_entry) {
     tile_row_states<true, Units>(tile, labels, pairs, tile_logit, scratch);
@@ -883,7 +883,7 @@ class AnchorPasses {
           const dim3 grid(static_cast<unsigned>(tiles(strip.rows)), static_cast<unsigned>(tiles(strip.cols)));
           on_tiles(strip, [&](const auto& in) {
             using T = typename std::decay_t<decltype(in)>::Scalar;
-            tile_states_kernel<T><<<grid, kMmaThreads, kMmaSharedBytes, stream>>>(
+            tile_states_kernel<T, TileUnits<scalar_t>><<<grid, kMmaThreads, kMmaSharedBytes, stream>>>(
                 in, self_, left_out(strip), first_column(strip), logit_, row_partials.data_ptr<float>(),
                 col_partials.data_ptr<float>());
             C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -931,11 +931,13 @@ class AnchorPasses {
                               r_tiles_.cols().from(strip.col0), col_labels(strip), strip.cols));
   }
 
-  // Whether this GPU runs the tile kernels of operands T.
+  // Whether this GPU runs the tile kernels of operands T, in the units of
+  // the features' dtype.
   template <typename T>
   static bool tiles_built() {
-    return mma_tiles_built<tile_weights_kernel<T, AnchorWeightRule<TileUnits<T>>>>() &&
-        mma_tiles_built<tile_states_kernel<T>>();
+    using Units = TileUnits<scalar_t>;
+    return mma_tiles_built<tile_weights_kernel<T, AnchorWeightRule<Units>>>() &&
+        mma_tiles_built<tile_states_kernel<T, Units>>();
   }
 
   // The backward's strips. On the tensor cores a strip holds only W, in the
@@ -977,9 +979,8 @@ class AnchorPasses {
     const SplitMatrix weights = strip_weights(weight_space, small_weight_space, strip);
     if constexpr (kHasMmaTiles<scalar_t>) {
       on_tiles(strip, [&](const auto& in) {
-        using T = typename std::decay_t<decltype(in)>::Scalar;
         launch_tile_weights_kernel(after_products, in,
-                                   AnchorWeightRule<TileUnits<T>>{logit_, row_coefficients, col_coefficients, strip.rows,
+                                   AnchorWeightRule<TileUnits<scalar_t>>{logit_, row_coefficients, col_coefficients, strip.rows,
                                                                   strip.cols, first_column(strip), left_out(strip),
                                                                   weight_scale},
                                    /*symmetric=*/false, weights);

@@ -230,8 +230,9 @@ __device__ __forceinline__ void tile_set_state(TileAccumulators& tile, const Til
 // rows · colsᵀ, formed on the tensor cores and reduced in registers: the
 // loss pass on the tensor cores, with S never in memory. Pairs count
 // as in strip_lse_kernel: in a symmetric product, twice above the diagonal,
-// once on it, not at all below it.
-template <typename T>
+// once on it, not at all below it. Units: those of the features' dtype
+// (HalfFeatures' float16 operands keep float32's).
+template <typename T, typename Units>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
     const __grid_constant__ TileOperands<T> in,
     bool symmetric, // rows is cols: only the tiles on and above the diagonal
@@ -257,7 +258,6 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
   const int valid_rows = static_cast<int>(in.n_rows - row0 < kMmaTile ? in.n_rows - row0 : kMmaTile);
   const int valid_cols = static_cast<int>(in.n_cols - col0 < kMmaTile ? in.n_cols - col0 : kMmaTile);
   const bool diagonal = symmetric && ti == tj;
-  using Units = TileUnits<T>;
   const TileLogit tile_logit(logit, Units::kScale);
   LseState<float> positive;
   LseState<float> negative;
@@ -919,10 +919,12 @@ class StripPasses {
     }
   }
 
-  // Whether this GPU runs the tile kernels of operands T.
+  // Whether this GPU runs the tile kernels of operands T, in the units of
+  // the features' dtype.
   template <typename T>
   static bool tiles_built() {
-    return mma_tiles_built<tile_lse_kernel<T>>() && mma_tiles_built<tile_weights_kernel<T, GlobalWeightRule<TileUnits<T>>>>();
+    using Units = TileUnits<scalar_t>;
+    return mma_tiles_built<tile_lse_kernel<T, Units>>() && mma_tiles_built<tile_weights_kernel<T, GlobalWeightRule<Units>>>();
   }
 
   // The loss pass on the tensor cores: one launch over every tile, (tiles, 4)
@@ -937,8 +939,9 @@ class StripPasses {
       if (tile_count > 0) {
         on_tiles(0, rows_.size(), 0, cols_.size(), [&](const auto& in) {
           using T = typename std::decay_t<decltype(in)>::Scalar;
-          tile_lse_kernel<T><<<static_cast<unsigned>(tile_count), kMmaThreads, kMmaSharedBytes,
-                               c10::cuda::getCurrentCUDAStream()>>>(in, symmetric_, logit_, partials.data_ptr<float>());
+          constexpr auto kernel = tile_lse_kernel<T, TileUnits<scalar_t>>;
+          kernel<<<static_cast<unsigned>(tile_count), kMmaThreads, kMmaSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
+              in, symmetric_, logit_, partials.data_ptr<float>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
       }
@@ -972,10 +975,9 @@ class StripPasses {
     const SplitMatrix weights = strip_weights(workspace_, small_workspace_, strip);
     if constexpr (kHasMmaTiles<scalar_t>) {
       on_tiles(strip.row0, strip.rows, strip.col0, strip.cols, [&](const auto& in) {
-        using T = typename std::decay_t<decltype(in)>::Scalar;
         launch_tile_weights_kernel(
             after_products, in,
-            GlobalWeightRule<TileUnits<T>>{logit_, scalars, takes_halves_ ? half_products_.weight_scale() : nullptr},
+            GlobalWeightRule<TileUnits<scalar_t>>{logit_, scalars, takes_halves_ ? half_products_.weight_scale() : nullptr},
             symmetric_ && strip.col0 == strip.row0, weights);
       });
     }
