@@ -21,14 +21,12 @@
 #include "strips.cuh"
 
 #include <ATen/Context.h>
-#include <ATen/ops/amax.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/linalg_vector_norm.h>
-#include <ATen/ops/maximum.h>
-#include <ATen/ops/nan_to_num.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <limits>
 #include <type_traits>
 
 namespace circle_loss {
@@ -156,12 +154,49 @@ __device__ inline int half_shift(double bound) {
   return min(max(kHalfReach - exponent, -kMaxHalfShift), kMaxHalfShift);
 }
 
-// scales = (2^f, 2^-2f): the features' scale and S's way back, f from
-// their largest finite row norm, which bounds every entry of such a row.
-__global__ void half_feature_scales_kernel(const float* __restrict__ largest_norm, float* __restrict__ scales) {
-  const int features = half_shift(*largest_norm);
+// maxima[blockIdx.x] = the largest finite norm of the rows of features (n,
+// dim) the CTA takes, a warp a row, the rows strided by the grid's warps; 0
+// where it has none. Squares add in float64, so that no finite row
+// overflows.
+__global__ void __launch_bounds__(kThreads) finite_norm_maxima_kernel(
+    const float* __restrict__ features,
+    int64_t n,
+    int64_t dim,
+    float* __restrict__ maxima) { // (gridDim.x,)
+  __shared__ float scratch[2 * kWarps];
+  const int lane = threadIdx.x % 32;
+  float largest = 0.0f;
+  for (int64_t row = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; row < n;
+       row += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const float* x = features + row * dim;
+    double squares = 0.0;
+    for (int64_t k = lane; k < dim; k += 32) squares += static_cast<double>(x[k]) * x[k];
+    for (int offset = 16; offset > 0; offset >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+    const double norm = sqrt(squares);
+    if (norm <= std::numeric_limits<float>::max()) largest = fmaxf(largest, static_cast<float>(norm)); // not NaN nor past float
+  }
+  float values[2] = {largest, largest};
+  block_reduce<kThreads>(values, [](float a, float b) { return fmaxf(a, b); }, scratch);
+  if (threadIdx.x == 0) maxima[blockIdx.x] = values[0];
+}
+
+// scales = (2^f, 2^-2f, norm): the features' scale, S's way back and the
+// largest of maxima (count,), f from that norm, which bounds every entry of
+// the rows it was taken over. One CTA.
+__global__ void __launch_bounds__(kThreads) half_feature_scales_kernel(
+    const float* __restrict__ maxima,
+    int64_t count,
+    float* __restrict__ scales) { // (3,)
+  __shared__ float scratch[2 * kWarps];
+  float largest = 0.0f;
+  for (int64_t i = threadIdx.x; i < count; i += kThreads) largest = fmaxf(largest, maxima[i]);
+  float values[2] = {largest, largest};
+  block_reduce<kThreads>(values, [](float a, float b) { return fmaxf(a, b); }, scratch);
+  if (threadIdx.x != 0) return;
+  const int features = half_shift(values[0]);
   scales[0] = ldexpf(1.0f, features);
   scales[1] = ldexpf(1.0f, -2 * features);
+  scales[2] = values[0];
 }
 
 // features (n, dim) times *scale, rounded to float16, into out (n, width):
@@ -218,13 +253,21 @@ class HalfFeatures {
 
   // rows, cols: (n, D) float32, contiguous (cols undefined: the rows again).
   HalfFeatures(const at::Tensor& rows, const at::Tensor& cols)
-      : largest_norm_(largest_finite_norm(rows)),
-        scales_(at::empty({2}, rows.options())),
-        dim_(rows.size(1)),
-        width_((rows.size(1) + kChunk - 1) / kChunk * kChunk) {
-    if (cols.defined()) largest_norm_ = at::maximum(largest_norm_, largest_finite_norm(cols));
-    half_feature_scales_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(largest_norm_.data_ptr<float>(),
-                                                                                scales_.data_ptr<float>());
+      : scales_(at::empty({3}, rows.options())), dim_(rows.size(1)), width_((rows.size(1) + kChunk - 1) / kChunk * kChunk) {
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t row_blocks = norm_blocks(rows);
+    const int64_t col_blocks = cols.defined() ? norm_blocks(cols) : 0;
+    const at::Tensor maxima = at::empty({row_blocks + col_blocks}, rows.options());
+    finite_norm_maxima_kernel<<<static_cast<unsigned>(row_blocks), kThreads, 0, stream>>>(
+        rows.data_ptr<float>(), rows.size(0), dim_, maxima.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (cols.defined()) {
+      finite_norm_maxima_kernel<<<static_cast<unsigned>(col_blocks), kThreads, 0, stream>>>(
+          cols.data_ptr<float>(), cols.size(0), dim_, maxima.data_ptr<float>() + row_blocks);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    half_feature_scales_kernel<<<1, kThreads, 0, stream>>>(maxima.data_ptr<float>(), maxima.numel(),
+                                                           scales_.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     rows_ = scaled(rows);
     cols_ = cols.defined() ? scaled(cols) : rows_;
@@ -238,16 +281,17 @@ class HalfFeatures {
   // () float32 on the device: S = similarity_unit · rows · colsᵀ.
   const float* similarity_unit() const { return scales_.data_ptr<float>() + 1; }
   // () float32 on the device: the largest finite row norm of both.
-  const at::Tensor& largest_norm() const { return largest_norm_; }
+  const float* largest_norm() const { return scales_.data_ptr<float>() + 2; }
   int64_t dim() const { return dim_; }
 
  private:
   static constexpr int64_t kChunk = 16 / sizeof(c10::Half);
 
-  // The largest row norm that is finite (0 if none is): a row of NaN or
-  // infinities keeps them, and the others keep their scale.
-  static at::Tensor largest_finite_norm(const at::Tensor& features) {
-    return at::amax(at::nan_to_num(at::linalg_vector_norm(features, 2, {1}), 0.0, 0.0));
+  // CTAs of finite_norm_maxima_kernel over features: enough warps for
+  // every row, at most two CTAs an SM. Only the finite norms count: a row
+  // of NaN or infinities keeps them, and the others keep their scale.
+  static int64_t norm_blocks(const at::Tensor& features) {
+    return std::clamp<int64_t>((features.size(0) + kWarps - 1) / kWarps, 1, 2 * multiprocessors());
   }
 
   at::Tensor scaled(const at::Tensor& features) const {
@@ -260,8 +304,7 @@ class HalfFeatures {
     return out;
   }
 
-  at::Tensor largest_norm_; // () float32
-  at::Tensor scales_; // (2,) float32: half_feature_scales_kernel's
+  at::Tensor scales_; // (3,) float32: half_feature_scales_kernel's
   int64_t dim_ = 0;
   int64_t width_ = 0;
   at::Tensor rows_; // (n, width_) float16: the rows' features · 2^f
@@ -288,7 +331,7 @@ class HalfProducts {
         rows_(features.rows().narrow(1, 0, features.dim())),
         cols_(features.cols().narrow(1, 0, features.dim())) {
     half_weight_scales_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        features.largest_norm().data_ptr<float>(), weight_factor.data_ptr<float>(), logit, scales_.data_ptr<float>());
+        features.largest_norm(), weight_factor.data_ptr<float>(), logit, scales_.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
