@@ -262,6 +262,62 @@ def test_anchor_tf32_products_in_float16(scale, refs, monkeypatch):
         assert_gradient_within_tf32(grad_r, ref_r)
 
 
+# The float16 copies take their scale from the largest finite row norm: a
+# row of infinities gets a loss that is not finite and leaves the other
+# rows' scale, so that features up to 2^16, past float16's range unless
+# scaled, still give every other row its loss to float32's tolerance.
+def test_tf32_float16_scale_skips_non_finite_rows(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    features = four_bit_features(1000, 64, 2.0 ** 19)
+    labels = torch.randint(0, 4, (1000,), device="cuda")
+    ref = four_bit_features(140_000, 64, 2.0 ** 19)
+    ref_labels = torch.randint(0, 4, (140_000,), device="cuda")
+    ref_losses = anchor_reference_and_grads(features, labels, ref, ref_labels, 0.4, 32.0)[0]
+    features[7] = float("inf")
+    losses = torch.ops.circle.anchor_loss(features, labels, ref, ref_labels, 0.4, 32.0)
+    others = torch.arange(1000, device="cuda") != 7
+    assert not torch.isfinite(losses[7])
+    assert relative_error(losses[others], ref_losses[others]) <= TOLERANCE[torch.float32][0]
+
+
+# The float16 copies and products take their scales on the device: captured into one
+# CUDA graph, both ops replay fresh inputs to the eager results bit for bit,
+# and calls on other streams repeat them.
+def test_tf32_products_capture_and_determinism(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    x, y = make_inputs(4500, 256, 9, "cuda")
+    x.requires_grad_()
+
+    def both():
+        return (*loss_and_grad(x, y), *anchor_loss_and_grads(x, y))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            both()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # raises if anything synchronises with the host
+        captured = both()
+    for _ in range(2):
+        fresh_x, fresh_y = make_inputs(4500, 256, 9, "cuda")
+        with torch.no_grad():
+            x.copy_(fresh_x)
+        y.copy_(fresh_y)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = both()
+        assert all(torch.equal(a, b) for a, b in zip(captured, eager))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            again = both()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(again, eager))
+
+
 # The tensor-core gradients hold only W: where the whole width leaves a
 # strip fewer than 1024 rows (float16/bfloat16: B > 32 768), strips of 2048
 # rows are cut into chunks of 16 384 columns. B = 33 000: 17 strips, those up

@@ -17,8 +17,9 @@
 // dQ = W R and, where the references need a gradient, dR = Wᵀ Q (without a
 // reference set both go to Q, as in the global op's gradient pass).
 // float16/bfloat16 rows of whole 16-byte chunks, and float32 ones (in TF32
-// where it is allowed, else split into TF32 parts that keep float32's
-// accuracy), form S on the tensor cores (mma_tiles.cuh) and never write it:
+// where it is allowed, large ones as scaled float16 copies, else split into
+// TF32 parts that keep float32's accuracy), form S on the tensor cores
+// (mma_tiles.cuh) and never write it:
 //   tile_states_kernel        the forward: each tile's row states and, without
 //                             a reference set, above the diagonal its column
 //                             states, written as partials;
@@ -515,8 +516,9 @@ __device__ __forceinline__ void tile_row_states(
 // they belong to. Each row's (column's) partials lie together, for the fold.
 // Every share of a row or column is summed against its own maximum, so the
 // states are exact however far apart the logits lie: one exp an entry for
-// the rows, one more for the columns.
-template <typename T>
+// the rows, one more for the columns. Units: those of the features' dtype
+// (HalfFeatures' float16 operands keep float32's).
+template <typename T, typename Units>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
     const __grid_constant__ TileOperands<T> in,
     bool self,
@@ -531,12 +533,14 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
   extern __shared__ __align__(128) unsigned char stages[];
   __shared__ TileLabels labels;
   __shared__ TilePairs pairs;
+  __shared__ TileUnit unit;
   const int64_t row0 = ti * kMmaTile;
   const int64_t col0 = tj * kMmaTile;
   TileAccumulators tile;
   bool labels_fit;
   multiply_tile(tile, in, row0, col0, stage_memory<T>(stages), [&] {
     labels_fit = labels.load(in, row0, col0);
+    unit.load(in);
     if (threadIdx.x < kMmaTile) {
       const int64_t r = row0 + threadIdx.x;
       pairs.skipped[threadIdx.x] =
@@ -547,11 +551,11 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_states_kernel(
       pairs.valid_cols = static_cast<int>(std::min<int64_t>(in.n_cols - col0, kMmaTile));
     }
   });
-  labels.settle(labels_fit, in, row0, col0, stages); // the labels and pairs, and every warp is done with the stages
+  labels.settle(labels_fit, in, row0, col0, stages); // the labels, pairs and unit, and every warp is done with the stages
+  unit.apply(in, tile);
   TileStatesScratch& scratch = *stage_memory<TileStatesScratch>(stages);
   const bool every_entry = pairs.valid_rows == kMmaTile && pairs.valid_cols == kMmaTile && !(self && ti == tj) &&
       left_out == nullptr;
-  using Units = TileUnits<T>;
   const TileLogit tile_logit(logit, Units::kScale);
   if (every_entry) {
     tile_row_states<true, Units>(tile, labels, pairs, tile_logit, scratch);
@@ -699,9 +703,10 @@ class AnchorPasses {
         accumulation_(q.features.options().dtype(dtype_of<acc_t>())),
         largest_strip_(strips_.empty() ? 0 : strips_.front().rows * strips_.front().cols) {
     if constexpr (kHasMmaTiles<scalar_t>) {
-      tensor_cores_ = tiles_take<scalar_t>(q.features) && tiles_take<scalar_t>(r.features) &&
-          mma_tiles_built<tile_weights_kernel<scalar_t, AnchorWeightRule<TileUnits<scalar_t>>>>() &&
-          mma_tiles_built<tile_states_kernel<scalar_t>>() && tiles(r.size()) <= kMaxGridY;
+      // float32's tiles include the float16 ones, which HalfFeatures take.
+      tensor_cores_ = tiles_take<scalar_t>(q.features) && tiles_take<scalar_t>(r.features) && tiles_built<scalar_t>() &&
+          (!std::is_same_v<scalar_t, float> || tiles_built<c10::Half>()) && tiles(r.size()) <= kMaxGridY;
+      takes_halves_ = tensor_cores_ && std::is_same_v<scalar_t, float> && takes_half_features(q.size(), r.size(), q.dim());
     }
   }
 
@@ -771,12 +776,12 @@ class AnchorPasses {
     if (tensor_cores_) take_tile_features(/*for_gradient=*/true);
     HalfProducts halves;
     if constexpr (std::is_same_v<scalar_t, float>) {
-      if (takes_half_products()) {
+      if (takes_halves_) {
         // W / |dz/ds| = g_i·σ(Z_i)·exp(z - LSE_set(i)) is at most the largest
         // |factor|, twice without a reference set (an entry carries (i, j)
         // and (j, i)).
         const at::Tensor factor = at::mul(at::amax(at::abs(coefficients.select(1, 2))), self_ ? 2.0 : 1.0);
-        halves = HalfProducts(q_.features, self_ ? at::Tensor() : r_.features, factor, logit_);
+        halves = HalfProducts(half_features_, factor, logit_);
       }
     }
     const int64_t largest = strips.front().rows * strips.front().cols;
@@ -876,10 +881,13 @@ class AnchorPasses {
       for (const Strip& strip : strips) {
         if (strip.cols > 0) {
           const dim3 grid(static_cast<unsigned>(tiles(strip.rows)), static_cast<unsigned>(tiles(strip.cols)));
-          tile_states_kernel<scalar_t><<<grid, kMmaThreads, kMmaSharedBytes, stream>>>(
-              tile_operands(strip), self_, left_out(strip), first_column(strip), logit_, row_partials.data_ptr<float>(),
-              col_partials.data_ptr<float>());
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          on_tiles(strip, [&](const auto& in) {
+            using T = typename std::decay_t<decltype(in)>::Scalar;
+            tile_states_kernel<T, TileUnits<scalar_t>><<<grid, kMmaThreads, kMmaSharedBytes, stream>>>(
+                in, self_, left_out(strip), first_column(strip), logit_, row_partials.data_ptr<float>(),
+                col_partials.data_ptr<float>());
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
         }
         const bool first_visit = !self_ || strip.row0 == 0;
         merge_tile_states_kernel<<<blocks_for(32 * (self_ ? strip.cols : strip.rows)), kThreads, 0, stream>>>(
@@ -890,27 +898,46 @@ class AnchorPasses {
     }
   }
 
-  // Q and R as the tensor-core kernels take them, for tile_operands; made
-  // by the passes that use them (a split of float32 features takes 4·D a
-  // row, and 2·D more for the bfloat16 parts of for_gradient's large
-  // products).
+  // Q and R as the tensor-core kernels take them, for on_tiles; made by
+  // the passes that use them (a split of float32 features takes 4·D a row,
+  // and 2·D more for the bfloat16 parts of for_gradient's large products;
+  // HalfFeatures' float16 copies D, which the backward's products take too).
   void take_tile_features(bool for_gradient) {
+    if (takes_halves_) {
+      half_features_ = HalfFeatures(q_.features, self_ ? at::Tensor() : r_.features);
+      q_half_tiles_ = TileFeatures<c10::Half>(half_features_.rows(), /*for_products=*/false);
+      r_half_tiles_ = self_ ? q_half_tiles_ : TileFeatures<c10::Half>(half_features_.cols(), /*for_products=*/false);
+      return;
+    }
     const bool for_products = for_gradient && prepares_products(q_.size(), r_.size(), q_.dim());
     q_tiles_ = TileFeatures<scalar_t>(q_.features, for_products);
     r_tiles_ = self_ ? q_tiles_ : TileFeatures<scalar_t>(r_.features, for_products);
   }
 
-  // Whether the backward's products run in float16 (HalfProducts): float32
-  // on the tiles with TF32 allowed, at a size that pays for their operands.
-  bool takes_half_products() const {
-    return tensor_cores_ && std::is_same_v<scalar_t, float> && cublas_may_use_tf32() &&
-        prepares_products(q_.size(), r_.size(), q_.dim());
+  // Calls launch(operands) with the strip's two sides as the tensor-core
+  // kernels take them: HalfFeatures' float16 copies where the op takes
+  // them, else the features as TileFeatures.
+  template <typename Launch>
+  void on_tiles(const Strip& strip, const Launch& launch) const {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (takes_halves_) {
+        launch(make_tile_operands(q_half_tiles_.rows().from(strip.row0), row_labels(strip), strip.rows,
+                                  r_half_tiles_.cols().from(strip.col0), col_labels(strip), strip.cols,
+                                  half_features_.similarity_unit()));
+        return;
+      }
+    }
+    launch(make_tile_operands(q_tiles_.rows().from(strip.row0), row_labels(strip), strip.rows,
+                              r_tiles_.cols().from(strip.col0), col_labels(strip), strip.cols));
   }
 
-  // The strip's two sides as the tensor-core kernels take them.
-  TileOperands<scalar_t> tile_operands(const Strip& strip) const {
-    return make_tile_operands(q_tiles_.rows().from(strip.row0), row_labels(strip), strip.rows,
-                              r_tiles_.cols().from(strip.col0), col_labels(strip), strip.cols);
+  // Whether this GPU runs the tile kernels of operands T, in the units of
+  // the features' dtype.
+  template <typename T>
+  static bool tiles_built() {
+    using Units = TileUnits<scalar_t>;
+    return mma_tiles_built<tile_weights_kernel<T, AnchorWeightRule<Units>>>() &&
+        mma_tiles_built<tile_states_kernel<T, Units>>();
   }
 
   // The backward's strips. On the tensor cores a strip holds only W, in the
@@ -919,7 +946,8 @@ class AnchorPasses {
   // for kTallStrip rows are cut into chunks of columns.
   std::vector<Strip> gradient_strips() const {
     if (!tensor_cores_) return strips_;
-    return plan_column_chunks(q_.size(), r_.size(), self_, sizeof(scalar_t), max_strip_height(q_.size(), self_));
+    return plan_column_chunks(q_.size(), r_.size(), self_, takes_halves_ ? sizeof(c10::Half) : sizeof(scalar_t),
+                              max_strip_height(q_.size(), self_));
   }
 
   // The workspace of S's strips in acc_t, (largest strip,), made on first use.
@@ -950,11 +978,13 @@ class AnchorPasses {
       bool after_products) const {
     const SplitMatrix weights = strip_weights(weight_space, small_weight_space, strip);
     if constexpr (kHasMmaTiles<scalar_t>) {
-      launch_tile_weights_kernel(after_products, tile_operands(strip),
-                                 AnchorWeightRule<TileUnits<scalar_t>>{logit_, row_coefficients, col_coefficients,
-                                                                       strip.rows, strip.cols, first_column(strip),
-                                                                       left_out(strip), weight_scale},
-                                 /*symmetric=*/false, weights);
+      on_tiles(strip, [&](const auto& in) {
+        launch_tile_weights_kernel(after_products, in,
+                                   AnchorWeightRule<TileUnits<scalar_t>>{logit_, row_coefficients, col_coefficients, strip.rows,
+                                                                  strip.cols, first_column(strip), left_out(strip),
+                                                                  weight_scale},
+                                   /*symmetric=*/false, weights);
+      });
     }
     return weights;
   }
@@ -995,8 +1025,14 @@ class AnchorPasses {
   at::TensorOptions accumulation_; // acc_t on the features' device
   int64_t largest_strip_; // entries
   bool tensor_cores_ = false; // the backward's W from tensor-core tiles (mma_tiles.cuh)
-  TileFeatures<scalar_t> q_tiles_; // take_tile_features()
+  // float32 with TF32 allowed, at a size that takes_half_features: the tiles
+  // and the backward's products take HalfFeatures.
+  bool takes_halves_ = false;
+  TileFeatures<scalar_t> q_tiles_; // take_tile_features(), or with takes_halves_:
   TileFeatures<scalar_t> r_tiles_;
+  HalfFeatures half_features_;
+  TileFeatures<c10::Half> q_half_tiles_;
+  TileFeatures<c10::Half> r_half_tiles_;
   at::Tensor workspace_; // (largest_strip_,) in acc_t, S's strips: see similarity_space
 };
 

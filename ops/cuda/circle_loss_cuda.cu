@@ -31,9 +31,9 @@
 // are float64's path, and that of features the tiles below do not take.
 //
 // float16/bfloat16 batches whose rows are whole 16-byte chunks, and float32
-// ones (in TF32 where it is allowed, else split into TF32 parts that keep
-// float32's accuracy), form S on the tensor cores instead (mma_tiles.cuh),
-// in registers, and never write it:
+// ones (in TF32 where it is allowed, large ones as scaled float16 copies,
+// else split into TF32 parts that keep float32's accuracy), form S on the
+// tensor cores instead (mma_tiles.cuh), in registers, and never write it:
 //   tile_lse_kernel       the loss pass in one launch over every tile on and
 //                         above the diagonal, partials as strip_lse_kernel's.
 //   tile_weights_kernel   (mma_tiles.cuh, with GlobalWeightRule) the gradient
@@ -230,8 +230,9 @@ __device__ __forceinline__ void tile_set_state(TileAccumulators& tile, const Til
 // rows · colsᵀ, formed on the tensor cores and reduced in registers: the
 // loss pass on the tensor cores, with S never in memory. Pairs count
 // as in strip_lse_kernel: in a symmetric product, twice above the diagonal,
-// once on it, not at all below it.
-template <typename T>
+// once on it, not at all below it. Units: those of the features' dtype
+// (HalfFeatures' float16 operands keep float32's).
+template <typename T, typename Units>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
     const __grid_constant__ TileOperands<T> in,
     bool symmetric, // rows is cols: only the tiles on and above the diagonal
@@ -241,18 +242,22 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_lse_kernel(
   __shared__ float scratch[2 * kMmaThreads / 32];
   __shared__ int32_t id_ranges[2 * kMmaThreads / 32];
   __shared__ TileLabels labels;
+  __shared__ TileUnit unit;
   int64_t ti, tj;
   tile_position(symmetric, tiles(in.n_rows), tiles(in.n_cols), &ti, &tj);
   const int64_t row0 = ti * kMmaTile;
   const int64_t col0 = tj * kMmaTile;
   TileAccumulators tile;
   bool labels_fit;
-  multiply_tile(tile, in, row0, col0, stage_memory<T>(stages), [&] { labels_fit = labels.load(in, row0, col0); });
+  multiply_tile(tile, in, row0, col0, stage_memory<T>(stages), [&] {
+    labels_fit = labels.load(in, row0, col0);
+    unit.load(in);
+  });
   labels.settle(labels_fit, in, row0, col0, stages); // also where dim gives the main loop no step
+  unit.apply(in, tile);
   const int valid_rows = static_cast<int>(in.n_rows - row0 < kMmaTile ? in.n_rows - row0 : kMmaTile);
   const int valid_cols = static_cast<int>(in.n_cols - col0 < kMmaTile ? in.n_cols - col0 : kMmaTile);
   const bool diagonal = symmetric && ti == tj;
-  using Units = TileUnits<T>;
   const TileLogit tile_logit(logit, Units::kScale);
   LseState<float> positive;
   LseState<float> negative;
@@ -746,17 +751,24 @@ class StripPasses {
         symmetric_(symmetric),
         logit_{static_cast<acc_t>(margin), static_cast<acc_t>(gamma)},
         tensor_cores_(use_tensor_cores(rows, cols)),
+        // The symmetric op's float32 with TF32 allowed goes to the tiles as
+        // float16 copies (HalfFeatures), and so do its gradient's products
+        // (HalfProducts): the op has the loss's folded sums that bound W.
+        // The block ops are given its scalars alone, and keep float32 W and
+        // TF32.
+        takes_halves_(tensor_cores_ && std::is_same_v<scalar_t, float> && symmetric &&
+                      takes_half_features(rows.size(), cols.size(), rows.dim())),
         // With the tensor cores only the weights are held, sizeof(scalar_t) an
-        // entry (split float32: two bfloat16 parts).
-        strips_(tensor_cores_ ? plan_column_chunks(rows.size(), cols.size(), symmetric, sizeof(scalar_t))
+        // entry (split float32: two bfloat16 parts; HalfProducts: float16).
+        strips_(tensor_cores_ ? plan_column_chunks(rows.size(), cols.size(), symmetric,
+                                                   takes_halves_ ? sizeof(c10::Half) : sizeof(scalar_t))
                               : plan_strips(rows.size(), cols.size(), symmetric, sizeof(acc_t))),
         sms_(multiprocessors()) {
-    if (tensor_cores_) {
+    if (takes_halves_) {
+      half_features_ = HalfFeatures(rows.features, at::Tensor());
+      half_tiles_ = TileFeatures<c10::Half>(half_features_.rows(), /*for_products=*/false);
+    } else if (tensor_cores_) {
       const bool for_products = for_gradient && prepares_products(rows.size(), cols.size(), rows.dim());
-      // Those of the symmetric op with TF32 allowed run in float16
-      // (HalfProducts): the op has the loss's folded sums that bound W; the
-      // block ops are given its scalars alone.
-      half_products_ = for_products && symmetric && std::is_same_v<scalar_t, float> && cublas_may_use_tf32();
       row_tiles_ = TileFeatures<scalar_t>(rows.features, for_products);
       col_tiles_ = symmetric ? row_tiles_ : TileFeatures<scalar_t>(cols.features, for_products);
     }
@@ -796,20 +808,20 @@ class StripPasses {
     at::Tensor grad = at::empty({rows_.size(), rows_.features.size(1)}, rows_.features.options().dtype(dtype_of<acc_t>()));
     if (tensor_cores_) {
       if constexpr (std::is_same_v<scalar_t, float>) {
-        if (half_products_) half_products_of_ = HalfProducts(rows_.features, at::Tensor(), weight_factor(scalars, folded), logit_);
+        if (takes_halves_) half_products_ = HalfProducts(half_features_, weight_factor(scalars, folded), logit_);
       }
       // W whole, in float16 for HalfProducts, or its big bfloat16 part where
       // the products take parts (float32_split.cuh) and its small one beside it.
       const bool parts = row_tiles_.has_parts();
       workspace_ = at::empty({largest_strip()}, rows_.features.options().dtype(
-                                                    parts ? at::kBFloat16 : half_products_ ? at::kHalf : dtype_of<scalar_t>()));
+                                                    parts ? at::kBFloat16 : takes_halves_ ? at::kHalf : dtype_of<scalar_t>()));
       if (parts) small_workspace_ = at::empty_like(workspace_);
       for (auto strip = strips_.crbegin(); strip != strips_.crend(); ++strip) {
         const bool after_products = strip != strips_.crbegin();
         add_strip_gradient(grad, launch_tile_weights(*strip, scalars.data_ptr<double>(), after_products), *strip,
                            /*accumulate_own=*/!last_chunk_of_rows(strips_, strip), /*accumulate_below=*/true);
       }
-      if (half_products_) half_products_of_.unscale(grad);
+      if (takes_halves_) half_products_.unscale(grad);
       return grad;
     }
     const at::Tensor weight_space = make_weight_space();
@@ -896,14 +908,23 @@ class StripPasses {
   }
 
  private:
-  // Features the tensor-core kernels can take (mma_tiles.cuh).
+  // Features the tensor-core kernels can take (mma_tiles.cuh), on a GPU
+  // that runs them (for float32 also the float16 ones, for HalfFeatures).
   static bool use_tensor_cores(const KernelRows& rows, const KernelRows& cols) {
     if constexpr (kHasMmaTiles<scalar_t>) {
-      return tiles_take<scalar_t>(rows.features) && tiles_take<scalar_t>(cols.features) &&
-          mma_tiles_built<tile_lse_kernel<scalar_t>>() && mma_tiles_built<tile_weights_kernel<scalar_t, GlobalWeightRule<TileUnits<scalar_t>>>>();
+      return tiles_take<scalar_t>(rows.features) && tiles_take<scalar_t>(cols.features) && tiles_built<scalar_t>() &&
+          (!std::is_same_v<scalar_t, float> || tiles_built<c10::Half>());
     } else {
       return false;
     }
+  }
+
+  // Whether this GPU runs the tile kernels of operands T, in the units of
+  // the features' dtype.
+  template <typename T>
+  static bool tiles_built() {
+    using Units = TileUnits<scalar_t>;
+    return mma_tiles_built<tile_lse_kernel<T, Units>>() && mma_tiles_built<tile_weights_kernel<T, GlobalWeightRule<Units>>>();
   }
 
   // The loss pass on the tensor cores: one launch over every tile, (tiles, 4)
@@ -916,15 +937,34 @@ class StripPasses {
       const int64_t tile_count = symmetric_ ? row_tiles * (row_tiles + 1) / 2 : row_tiles * col_tiles;
       partials = at::empty({tile_count, 4}, rows_.features.options().dtype(at::kFloat));
       if (tile_count > 0) {
-        tile_lse_kernel<scalar_t><<<static_cast<unsigned>(tile_count), kMmaThreads, kMmaSharedBytes,
-                                    c10::cuda::getCurrentCUDAStream()>>>(
-            make_tile_operands(row_tiles_.rows(), rows_.labels.data_ptr<int64_t>(), rows_.size(), col_tiles_.cols(),
-                               cols_.labels.data_ptr<int64_t>(), cols_.size()),
-            symmetric_, logit_, partials.data_ptr<float>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        on_tiles(0, rows_.size(), 0, cols_.size(), [&](const auto& in) {
+          using T = typename std::decay_t<decltype(in)>::Scalar;
+          constexpr auto kernel = tile_lse_kernel<T, TileUnits<scalar_t>>;
+          kernel<<<static_cast<unsigned>(tile_count), kMmaThreads, kMmaSharedBytes, c10::cuda::getCurrentCUDAStream()>>>(
+              in, symmetric_, logit_, partials.data_ptr<float>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
       }
     }
     return partials;
+  }
+
+  // Calls launch(operands) with the tiles' operands of rows [row0, row0 +
+  // n_rows) against columns [col0, col0 + n_cols): HalfFeatures' float16
+  // copies where the op takes them, else the features as TileFeatures.
+  template <typename Launch>
+  void on_tiles(int64_t row0, int64_t n_rows, int64_t col0, int64_t n_cols, const Launch& launch) const {
+    const int64_t* row_labels = rows_.labels.data_ptr<int64_t>() + row0;
+    const int64_t* col_labels = cols_.labels.data_ptr<int64_t>() + col0;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (takes_halves_) {
+        launch(make_tile_operands(half_tiles_.rows().from(row0), row_labels, n_rows, half_tiles_.cols().from(col0),
+                                  col_labels, n_cols, half_features_.similarity_unit()));
+        return;
+      }
+    }
+    launch(make_tile_operands(row_tiles_.rows().from(row0), row_labels, n_rows, col_tiles_.cols().from(col0), col_labels,
+                              n_cols));
   }
 
   // tile_weights_kernel over a strip; returns its (rows, cols) weights,
@@ -934,12 +974,12 @@ class StripPasses {
   SplitMatrix launch_tile_weights(const Strip& strip, const double* scalars, bool after_products) {
     const SplitMatrix weights = strip_weights(workspace_, small_workspace_, strip);
     if constexpr (kHasMmaTiles<scalar_t>) {
-      launch_tile_weights_kernel(after_products,
-                                 make_tile_operands(row_tiles_.rows().from(strip.row0), row_labels(strip), strip.rows,
-                                                    col_tiles_.cols().from(strip.col0), col_labels(strip), strip.cols),
-                                 GlobalWeightRule<TileUnits<scalar_t>>{
-                                     logit_, scalars, half_products_ ? half_products_of_.weight_scale() : nullptr},
-                                 symmetric_ && strip.col0 == strip.row0, weights);
+      on_tiles(strip.row0, strip.rows, strip.col0, strip.cols, [&](const auto& in) {
+        launch_tile_weights_kernel(
+            after_products, in,
+            GlobalWeightRule<TileUnits<scalar_t>>{logit_, scalars, takes_halves_ ? half_products_.weight_scale() : nullptr},
+            symmetric_ && strip.col0 == strip.row0, weights);
+      });
     }
     return weights;
   }
@@ -1006,12 +1046,12 @@ class StripPasses {
       const Strip& strip,
       bool accumulate_own,
       bool accumulate_below) const {
-    const SplitMatrix rows = half_products_ ? half_products_of_.rows()
-        : tensor_cores_                     ? row_tiles_.parts()
-                                            : SplitMatrix{rows_.features, {}};
-    const SplitMatrix cols = half_products_ ? half_products_of_.cols()
-        : tensor_cores_                     ? col_tiles_.parts()
-                                            : SplitMatrix{cols_.features, {}};
+    const SplitMatrix rows = takes_halves_ ? half_products_.rows()
+        : tensor_cores_                    ? row_tiles_.parts()
+                                           : SplitMatrix{rows_.features, {}};
+    const SplitMatrix cols = takes_halves_ ? half_products_.cols()
+        : tensor_cores_                    ? col_tiles_.parts()
+                                           : SplitMatrix{cols_.features, {}};
     split_matmul(grad.narrow(0, strip.row0, strip.rows), weights, cols.narrow(0, strip.col0, strip.cols), accumulate_own);
     if (symmetric_ && strip.mirrored() > 0) {
       split_matmul(
@@ -1027,13 +1067,15 @@ class StripPasses {
   bool symmetric_;
   PairLogit<acc_t> logit_;
   bool tensor_cores_; // S formed and consumed in registers (mma_tiles.cuh)
+  bool takes_halves_; // the tiles and products take HalfFeatures
   TileFeatures<scalar_t> row_tiles_; // with tensor_cores_, rows and cols as the tiles take them
   TileFeatures<scalar_t> col_tiles_;
-  bool half_products_ = false; // the gradient's products in float16 (HalfProducts)
-  HalfProducts half_products_of_; // made by the gradient pass
+  HalfFeatures half_features_; // or with takes_halves_ these, and as the tiles take them:
+  TileFeatures<c10::Half> half_tiles_;
+  HalfProducts half_products_; // with takes_halves_, made by the gradient pass
   std::vector<Strip> strips_;
   int sms_;
-  at::Tensor workspace_; // (largest strip,): S in acc_t, or with tensor_cores_ (from the gradient pass on) the weights in scalar_t (parts: W's big bfloat16 part; half_products_: float16)
+  at::Tensor workspace_; // (largest strip,): S in acc_t, or with tensor_cores_ (from the gradient pass on) the weights in scalar_t (parts: W's big bfloat16 part; takes_halves_: float16)
   at::Tensor small_workspace_; // (largest strip,): where the products take parts, W's small bfloat16 part
   bool last_strip_in_workspace_ = false;
 };

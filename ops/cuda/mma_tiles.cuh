@@ -1,8 +1,10 @@
 // Tiles of S = rows · colsᵀ on the tensor cores, for float16, bfloat16 and
 // float32 features: S accumulates in float32 registers and is handed to an
 // epilogue in place, so that it never goes to memory. float32 is multiplied
-// in TF32 where the user allows TF32, and otherwise split into TF32 parts
-// that keep float32's accuracy (TileFeatures). Used by circle_loss_cuda.cu
+// in TF32 where the user allows TF32 (at large sizes as float16 copies
+// scaled by a power of two, HalfFeatures, which TileUnit takes back), and
+// otherwise split into TF32 parts that keep float32's accuracy
+// (TileFeatures). Used by circle_loss_cuda.cu
 // and anchor_loss_cuda.cu for the LSE partials and the gradient weights.
 //
 // A CTA of kMmaThreads threads owns a kMmaTile × kMmaTile tile of S. The
@@ -237,6 +239,8 @@ struct TileSide {
 // bulk copies require of their tensor maps). Made by make_tile_operands.
 template <typename T>
 struct TileOperands {
+  using Scalar = T;
+
   const T* rows; // (n_rows, dim), rows stride apart
   const int64_t* row_labels; // (n_rows,)
   int64_t n_rows;
@@ -245,6 +249,7 @@ struct TileOperands {
   int64_t n_cols;
   int64_t dim;
   int64_t stride;
+  const float* similarity_unit; // (): S = *similarity_unit · rows · colsᵀ (HalfFeatures), or null: 1
   // The bulk copies' view of each side, on GPUs that have them: boxes of
   // kMmaTile rows × kStageRowBytes, as one stage operand takes them.
   CUtensorMap row_boxes;
@@ -296,9 +301,11 @@ TileOperands<T> make_tile_operands(
     int64_t n_rows,
     const TileSide<T>& cols,
     const int64_t* col_labels,
-    int64_t n_cols) {
+    int64_t n_cols,
+    const float* similarity_unit = nullptr) {
   TORCH_INTERNAL_ASSERT(rows.dim == cols.dim && rows.stride == cols.stride);
-  TileOperands<T> in{rows.features, row_labels, n_rows, cols.features, col_labels, n_cols, rows.dim, rows.stride, {}, {}};
+  TileOperands<T> in{rows.features, row_labels, n_rows, cols.features, col_labels, n_cols,
+                     rows.dim, rows.stride, similarity_unit, {}, {}};
   if (compute_capability_major() >= 9 && n_rows > 0 && n_cols > 0 && rows.dim > 0) {
     in.row_boxes = stage_boxes(rows, n_rows);
     in.col_boxes = stage_boxes(cols, n_cols);
@@ -855,6 +862,27 @@ __device__ __forceinline__ void multiply_tile(
 #endif
 }
 
+// The operands' similarity unit (TileOperands), by which a tile of S / unit
+// is taken back to S: read into shared memory while the first stages land,
+// applied once the CTA has met after the main loop (TileLabels::settle), so
+// that no register holds it through the loop.
+struct TileUnit {
+  float value;
+
+  template <typename T>
+  __device__ __forceinline__ void load(const TileOperands<T>& in) {
+    if (threadIdx.x == 0 && in.similarity_unit != nullptr) value = *in.similarity_unit;
+  }
+
+  // A power of two: exact.
+  template <typename T>
+  __device__ __forceinline__ void apply(const TileOperands<T>& in, TileAccumulators& tile) const {
+    if (in.similarity_unit == nullptr) return;
+    const float unit = value;
+    tile.for_each([unit](float& s, int, int, int) { s *= unit; });
+  }
+};
+
 // The labels of a tile's rows and columns in shared memory as 32-bit ids,
 // equal where the labels are equal: an entry's set is then one 32-bit
 // compare, where 64-bit labels take two. Labels that fit in 32 bits are
@@ -973,8 +1001,8 @@ struct alignas(8) TileLabels {
 // memory, a CTA forms its tile while they finish and waits only before it
 // stores. W goes out in the features' dtype, for split float32 in bfloat16
 // parts (Out, float32_split.cuh): W rounded to Out to weights, what that
-// rounding leaves to small_weights; or for float32 in TF32 as float16
-// scaled by the Rule (HalfProducts, float32_split.cuh).
+// rounding leaves to small_weights. (float32 with TF32 allowed comes as
+// HalfFeatures' float16, its W scaled by the Rule: HalfProducts.)
 template <typename T, typename Rule, typename Out = T>
 __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
     const __grid_constant__ TileOperands<T> in,
@@ -992,14 +1020,17 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
   __shared__ TileLabels labels;
   __shared__ int32_t id_ranges[2 * kMmaThreads / 32];
   __shared__ typename Rule::Shared shared_rule;
+  __shared__ TileUnit unit;
   TileAccumulators tile;
   bool labels_fit;
   multiply_tile(tile, in, row0, col0, stage_memory<T>(stages), [&] {
     labels_fit = labels.load(in, row0, col0);
     rule.load(shared_rule, row0, col0);
+    unit.load(in);
   });
-  // The labels and the rule's values, also where dim gives the main loop no step.
+  // The labels, the rule's values and the unit, also where dim gives the main loop no step.
   labels.settle(labels_fit, in, row0, col0, stages);
+  unit.apply(in, tile);
   // W in registers first, then to shared memory: with no store between them
   // the compiler reads each row's labels and values from shared memory once.
   // A tile whose pairs are all in one set takes that set's W without a
@@ -1077,8 +1108,8 @@ inline bool mma_tiles_built() {
 }
 
 // tile_weights_kernel over a strip into weights (R, C): W whole in the
-// features' dtype, split float32's bfloat16 parts, or for float32 float16
-// (weights.big's dtype). dependent: as launch_kernel's.
+// features' dtype, or split float32's bfloat16 parts. dependent: as
+// launch_kernel's.
 template <typename T, typename Rule>
 void launch_tile_weights_kernel(
     bool dependent,
@@ -1095,13 +1126,6 @@ void launch_tile_weights_kernel(
       TORCH_INTERNAL_ASSERT(mma_tiles_built<kernel>());
       launch_kernel(dependent, kernel, grid, dim3(kMmaThreads), kMmaSharedBytes, in, rule, symmetric,
                     weights.big.data_ptr<c10::BFloat16>(), weights.small.data_ptr<c10::BFloat16>());
-      return;
-    }
-    if (weights.big.scalar_type() == at::kHalf) {
-      constexpr auto kernel = tile_weights_kernel<T, Rule, c10::Half>;
-      TORCH_INTERNAL_ASSERT(mma_tiles_built<kernel>());
-      launch_kernel(dependent, kernel, grid, dim3(kMmaThreads), kMmaSharedBytes, in, rule, symmetric,
-                    weights.big.data_ptr<c10::Half>(), static_cast<c10::Half*>(nullptr));
       return;
     }
   }
