@@ -979,11 +979,11 @@ class AnchorPasses {
     const SplitMatrix weights = strip_weights(weight_space, small_weight_space, strip);
     if constexpr (kHasMmaTiles<scalar_t>) {
       on_tiles(strip, [&](const auto& in) {
-        launch_tile_weights_kernel(after_products, in,
-                                   AnchorWeightRule<TileUnits<scalar_t>>{logit_, row_coefficients, col_coefficients, strip.rows,
-                                                                  strip.cols, first_column(strip), left_out(strip),
-                                                                  weight_scale},
-                                   /*symmetric=*/false, weights);
+        launch_tile_weights_kernel(
+            after_products, in,
+            AnchorWeightRule<TileUnits<scalar_t>>{logit_, row_coefficients, col_coefficients, strip.rows, strip.cols,
+                                                  first_column(strip), left_out(strip), weight_scale},
+            /*symmetric=*/false, weights);
       });
     }
     return weights;
