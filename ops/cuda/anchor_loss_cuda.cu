@@ -348,9 +348,10 @@ __global__ void __launch_bounds__(kThreads) weights_kernel(
 // cannot overflow (z ≤ LSE_i, so it is at most exp(LSE_i - B)) and every
 // a_k ≠ 0 is a normal float: the LSEs of each set within kSharedExpSpan of
 // one another, in log2 units, and no a_k below 2^-kSharedExpSpan. A tile
-// past that (a set whose LSEs lie far apart, such as rows with a single
-// positive pair each) or with a LSE or factor that is not finite (NaN or
-// infinite inputs) takes the two terms' exps.
+// past that (a set whose LSEs lie far apart, such as positive sets of a
+// pair or two at a large gamma, or factors far below the LSEs' scale) or
+// with a LSE or factor that is not finite (NaN or infinite inputs) takes the
+// two terms' exps.
 template <typename Units>
 struct AnchorWeightRule {
   PairLogit<float> logit;
