@@ -517,6 +517,31 @@ def test_anchor_loss_over_several_strips(dtype, batch, refs, tile_strips):
         assert_anchor_matches_reference(features, labels, ref, ref_labels, ref_self_index=position)
 
 
+# anchor_loss's tile weights take one exp an entry for both of a pair's
+# anchors where a tile's LSEs and incoming gradients allow it, two where
+# they do not (AnchorWeightRule): the same gradient, to the tolerance of
+# gradients of scale 1, for gradients scaled by 2^-100 to 2^60, for
+# gradients spread over 2^-60..1 within tiles, and for labels of B classes,
+# whose positive sets of one or two pairs have LSEs far apart.
+@pytest.mark.parametrize("dtype,batch,dim", [(torch.bfloat16, 600, 64), (torch.float32, 4500, 16)])
+@pytest.mark.parametrize("classes", [10, "B"])
+def test_anchor_tile_weights_at_any_gradient_scale(dtype, batch, dim, classes):
+    from test_anchor_loss import assert_anchor_matches_reference, run_anchor
+    from reference import FLOAT32_YARDSTICK_FACTOR
+
+    features, labels = make_inputs(batch, dim, batch if classes == "B" else classes, "cuda", dtype)
+    weights = torch.rand(batch, device="cuda", dtype=torch.float64) + 0.5
+    spread = weights * torch.exp2(-60 * torch.rand(batch, device="cuda", dtype=torch.float64))
+    assert_anchor_matches_reference(features, labels, weights=spread.to(dtype))
+    ref_losses, ref_q, _ = anchor_reference_and_grads(features, labels, weights=weights.to(dtype))
+    q32 = anchor_reference_and_grads(features, labels, weights=weights.to(dtype), dtype=torch.float32)[1]
+    grad_tol = max(TOLERANCE[dtype][1], FLOAT32_YARDSTICK_FACTOR * relative_error(q32, ref_q))
+    for exponent in [-100, -30, 0, 60]:
+        losses, grad_q, _ = run_anchor(features, labels, weights=(weights * 2.0**exponent).to(dtype))
+        assert relative_error(losses, ref_losses) <= TOLERANCE[dtype][0]
+        assert relative_error(grad_q.double() * 2.0**-exponent, ref_q) <= grad_tol, exponent
+
+
 # anchor_loss with TF32 allowed multiplies float32 in TF32 on the tiles (D = 30:
 # cuBLAS's strips), held to TF32's accuracy at a moderate gamma; from B·M·D ≥
 # 2^32 (D = 256, and the references at D = 64) the products run in float16

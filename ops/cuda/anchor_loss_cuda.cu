@@ -336,7 +336,22 @@ __global__ void __launch_bounds__(kThreads) weights_kernel(
 // tile_weights_kernel's rule for the per-anchor form: weights_kernel's W,
 // from the coefficients of the tile's rows (and, without a reference set,
 // of its columns), held in shared memory as (-LSE_P, -LSE_N, factor) in
-// Units (TileUnits) so that each term is Units::weight_term of a logit.
+// Units (TileUnits).
+//
+// An entry's weight is f_i·exp(z - LSE_i) + f_j·exp(z - LSE_j) (times the
+// slope), f the factor and LSE that of the entry's set, of row i and of
+// column j as an anchor. Both terms share exp(z), so with B the least LSE
+// of the set over the tile's rows and columns it is
+//   exp(z - B)·(a_i + a_j),   a_k = f_k·exp(B - LSE_k),
+// one exp an entry where the terms take two, a_k made once a row and
+// column. In float32 that is as exact as the two terms wherever exp(z - B)
+// cannot overflow (z ≤ LSE_i, so it is at most exp(LSE_i - B)) and every
+// a_k ≠ 0 is a normal float: the LSEs of each set within kSharedExpSpan of
+// one another, in log2 units, and no a_k below 2^-kSharedExpSpan. A tile
+// past that (a set whose LSEs lie far apart, such as positive sets of a
+// pair or two at a large gamma, or factors far below the LSEs' scale) or
+// with a LSE or factor that is not finite (NaN or infinite inputs) takes the
+// two terms' exps.
 template <typename Units>
 struct AnchorWeightRule {
   PairLogit<float> logit;
@@ -348,10 +363,91 @@ struct AnchorWeightRule {
   const int64_t* left_out; // (n_rows,): with a reference set, each row's left-out column of it; or null
   const float* weight_scale; // (): a power of two W is taken times (HalfProducts), or null
 
+  static constexpr float kSharedExpSpan = 124.0f;
+  static constexpr float kToLog2 = kLog2e / Units::kScale; // log2 units a unit of Units
+
+  // What decides whether a tile shares one exp an entry, over some of its
+  // rows and columns: each set's greatest and least offset -LSE (Units)
+  // and least log2|f| + offset (log2 units, over f ≠ 0), and whether all
+  // are finite. Sets without pairs (offset +inf) count in none.
+  struct Span {
+    float most[2];
+    float least[2];
+    float least_share[2];
+    bool finite;
+
+    __device__ __forceinline__ static Span of(const float4& c, bool inside) {
+      constexpr float kInf = std::numeric_limits<float>::infinity();
+      Span span{{-kInf, -kInf}, {kInf, kInf}, {kInf, kInf}, isfinite(c.z)};
+      if (!inside) return span;
+#pragma unroll
+      for (int set = 0; set < 2; ++set) {
+        const float offset = set == 0 ? c.x : c.y;
+        if (offset == kInf) continue;
+        span.finite = span.finite && offset > -kInf; // false for NaN too
+        span.most[set] = span.least[set] = offset;
+        if (c.z != 0.0f) span.least_share[set] = __log2f(fabsf(c.z)) + offset * kToLog2;
+      }
+      return span;
+    }
+
+    __device__ __forceinline__ void merge(const Span& other) {
+#pragma unroll
+      for (int set = 0; set < 2; ++set) {
+        most[set] = fmaxf(most[set], other.most[set]);
+        least[set] = fminf(least[set], other.least[set]);
+        least_share[set] = fminf(least_share[set], other.least_share[set]);
+      }
+      finite = finite && other.finite;
+    }
+
+    __device__ __forceinline__ void merge_warp() {
+#pragma unroll
+      for (int lanes = 16; lanes > 0; lanes >>= 1) {
+#pragma unroll
+        for (int set = 0; set < 2; ++set) {
+          most[set] = fmaxf(most[set], __shfl_xor_sync(0xffffffffu, most[set], lanes));
+          least[set] = fminf(least[set], __shfl_xor_sync(0xffffffffu, least[set], lanes));
+          least_share[set] = fminf(least_share[set], __shfl_xor_sync(0xffffffffu, least_share[set], lanes));
+        }
+      }
+      finite = __all_sync(0xffffffffu, finite);
+    }
+
+    __device__ __forceinline__ bool shares_exp() const {
+      bool shares = finite;
+#pragma unroll
+      for (int set = 0; set < 2; ++set) {
+        if (most[set] == -std::numeric_limits<float>::infinity()) continue; // no pairs
+        shares = shares && (most[set] - least[set]) * kToLog2 <= kSharedExpSpan &&
+            most[set] * kToLog2 - least_share[set] <= kSharedExpSpan;
+      }
+      return shares;
+    }
+
+    // The offset Units::weight_term takes for exp(z - B), B the set's least LSE.
+    __device__ __forceinline__ float base(int set) const {
+      return most[set] == -std::numeric_limits<float>::infinity() ? 0.0f : most[set];
+    }
+
+    // a_k = f·exp(B - LSE_k) of both sets for one row's or column's coefficients.
+    __device__ __forceinline__ float2 shares(const float4& c) const {
+      const auto share = [&](float offset, int set) {
+        return c.z == 0.0f || offset == std::numeric_limits<float>::infinity()
+            ? 0.0f
+            : c.z * exp2f((offset - most[set]) * kToLog2);
+      };
+      return make_float2(share(c.x, 0), share(c.y, 1));
+    }
+  };
+
   struct Shared {
     float4 row[kMmaTile]; // (-LSE_P, -LSE_N in Units, factor, unused); factor 0 past the end
     float4 col[kMmaTile]; // the same for the columns; factor 0 with a reference set
+    float2 row_shares[kMmaTile]; // (a_k of P, of N), where the tile shares one exp an entry
+    float2 col_shares[kMmaTile];
     int skipped[kMmaTile]; // the column of the tile with each row's pair in no set, or -1
+    Span spans[kMmaThreads / 32]; // each warp's
   };
 
   // A row's or column's (B, 3) record as Shared holds it, its factor times
@@ -373,26 +469,58 @@ struct AnchorWeightRule {
     const int i = threadIdx.x % kMmaTile;
     const bool self = col_coefficients != nullptr;
     const float scale = weight_scale != nullptr ? *weight_scale : 1.0f;
+    Span span;
     if (threadIdx.x < kMmaTile) {
       const int64_t r = row0 + i;
       const bool inside = r < n_rows;
       shared.row[i] = scaled(row_coefficients, r, inside, scale);
       shared.skipped[i] = inside ? tile_left_out_column(self, left_out, r, first_col, n_cols, col0) : -1;
+      span = Span::of(shared.row[i], inside);
     } else {
       const int64_t c = col0 + i;
-      shared.col[i] = scaled(col_coefficients, c, self && c < n_cols, scale);
+      const bool inside = self && c < n_cols;
+      shared.col[i] = scaled(col_coefficients, c, inside, scale);
+      span = Span::of(shared.col[i], inside);
     }
+    span.merge_warp();
+    if (threadIdx.x % 32 == 0) shared.spans[threadIdx.x / 32] = span;
   }
 
-  __device__ __forceinline__ auto at(const Shared& shared) const {
+  // Once load's writes are visible to every thread: visit(weight) with
+  // the tile's weight(s, positive, r, c), each thread in the same branch.
+  template <typename Visit>
+  __device__ __forceinline__ void with_weight(Shared& shared, Visit visit) const {
     const TileLogit tile_logit(logit, Units::kScale);
     const float half_gamma = 0.5f * logit.gamma; // the slope is ∓half_gamma·twice_alpha
-    return [&shared, tile_logit, half_gamma](float s, bool positive, int r, int c) {
+    Span span = shared.spans[0];
+    for (int w = 1; w < kMmaThreads / 32; ++w) span.merge(shared.spans[w]);
+    if (!span.shares_exp()) {
+      visit([&shared, tile_logit, half_gamma](float s, bool positive, int r, int c) {
+        float twice_alpha;
+        const float u = tile_logit(s, positive, &twice_alpha);
+        const float w = (term(shared.row[r], u, positive) + term(shared.col[c], u, positive)) * twice_alpha;
+        return c == shared.skipped[r] ? 0.0f : w * (positive ? -half_gamma : half_gamma);
+      });
+      return;
+    }
+    const int i = threadIdx.x % kMmaTile;
+    if (threadIdx.x < kMmaTile) {
+      shared.row_shares[i] = span.shares(shared.row[i]);
+    } else {
+      shared.col_shares[i] = span.shares(shared.col[i]);
+    }
+    __syncthreads();
+    const float positive_base = span.base(0);
+    const float negative_base = span.base(1);
+    visit([&shared, tile_logit, half_gamma, positive_base, negative_base](float s, bool positive, int r, int c) {
       float twice_alpha;
       const float u = tile_logit(s, positive, &twice_alpha);
-      const float w = (term(shared.row[r], u, positive) + term(shared.col[c], u, positive)) * twice_alpha;
+      const float2 row = shared.row_shares[r];
+      const float2 col = shared.col_shares[c];
+      const float share = positive ? row.x + col.x : row.y + col.y;
+      const float w = Units::weight_term(u, positive ? positive_base : negative_base) * share * twice_alpha;
       return c == shared.skipped[r] ? 0.0f : w * (positive ? -half_gamma : half_gamma);
-    };
+    });
   }
 };
 

@@ -305,19 +305,20 @@ struct GlobalWeightRule {
     shared.scale = static_cast<float>(loss.grad_scale) * (weight_scale != nullptr ? *weight_scale : 1.0f);
   }
 
-  __device__ __forceinline__ auto at(const Shared& shared) const {
+  template <typename Visit>
+  __device__ __forceinline__ void with_weight(const Shared& shared, Visit visit) const {
     const TileLogit tile_logit(logit, Units::kScale);
     const WeightOffset positive_offset = shared.offset[0];
     const WeightOffset negative_offset = shared.offset[1];
     // 2σ(Z) times the slope's factor ∓γ/2 of twice_alpha.
     const float positive_factor = -0.5f * shared.scale * logit.gamma;
     const float negative_factor = 0.5f * shared.scale * logit.gamma;
-    return [=](float s, bool positive, int, int) {
+    visit([=](float s, bool positive, int, int) {
       float twice_alpha;
       const float u = tile_logit(s, positive, &twice_alpha);
       const float w = twice_alpha * Units::weight_term(u, positive ? positive_offset : negative_offset);
       return w * (positive ? positive_factor : negative_factor);
-    };
+    });
   }
 };
 

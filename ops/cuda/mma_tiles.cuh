@@ -990,8 +990,11 @@ struct alignas(8) TileLabels {
 //                                  in shared memory;
 //   load(Shared&, row0, col0)      fills it for the tile at (row0, col0),
 //                                  each of the CTA's threads taking part;
-//   at(const Shared&) -> Entry     a thread's view of it, where Entry(s,
-//                                  positive, r, c) is W at (r, c) of the tile.
+//   with_weight(Shared&, visit)    once load's writes are visible, calls
+//                                  visit(weight) in every thread, where
+//                                  weight(s, positive, r, c) is W at (r, c)
+//                                  of the tile (a rule may first derive more
+//                                  from Shared, meeting at a CTA barrier).
 // The tile of W goes through shared memory, so that global stores are whole
 // 16 bytes. symmetric: the strip's columns start at its first row and W is
 // symmetric there (the global form), so its diagonal block's tiles below
@@ -1036,17 +1039,18 @@ __global__ void __launch_bounds__(kMmaThreads, 2) tile_weights_kernel(
   // A tile whose pairs are all in one set takes that set's W without a
   // label compare an entry (TileLabels::sets; its ranges count the ids past
   // the ends too, which only makes the test stricter).
-  const auto weight = rule.at(shared_rule);
-  switch (labels.sets(id_ranges)) {
-    case TileLabels::Sets::kNegativesOnly:
-      tile.for_each([&](float& s, int r, int c, int) { s = weight(s, false, r, c); });
-      break;
-    case TileLabels::Sets::kPositivesOnly:
-      tile.for_each([&](float& s, int r, int c, int) { s = weight(s, true, r, c); });
-      break;
-    default:
-      tile.for_each([&](float& s, int r, int c, int) { s = weight(s, labels.positive(r, c), r, c); });
-  }
+  rule.with_weight(shared_rule, [&](const auto& weight) {
+    switch (labels.sets(id_ranges)) {
+      case TileLabels::Sets::kNegativesOnly:
+        tile.for_each([&](float& s, int r, int c, int) { s = weight(s, false, r, c); });
+        break;
+      case TileLabels::Sets::kPositivesOnly:
+        tile.for_each([&](float& s, int r, int c, int) { s = weight(s, true, r, c); });
+        break;
+      default:
+        tile.for_each([&](float& s, int r, int c, int) { s = weight(s, labels.positive(r, c), r, c); });
+    }
+  });
   wait_for_prerequisites();
   // The tile, or its transpose, through shared memory to W's rows from
   // out_row0 and columns from out_col0, those before row_end and col_end
