@@ -338,20 +338,16 @@ __global__ void __launch_bounds__(kThreads) weights_kernel(
 // of its columns), held in shared memory as (-LSE_P, -LSE_N, factor) in
 // Units (TileUnits).
 //
-// An entry's weight is f_i·exp(z - LSE_i) + f_j·exp(z - LSE_j) (times the
-// slope), f the factor and LSE that of the entry's set, of row i and of
-// column j as an anchor. Both terms share exp(z), so with B the least LSE
-// of the set over the tile's rows and columns it is
-//   exp(z - B)·(a_i + a_j),   a_k = f_k·exp(B - LSE_k),
-// one exp an entry where the terms take two, a_k made once a row and
-// column. In float32 that is as exact as the two terms wherever exp(z - B)
-// cannot overflow (z ≤ LSE_i, so it is at most exp(LSE_i - B)) and every
-// a_k ≠ 0 is a normal float: the LSEs of each set within kSharedExpSpan of
-// one another, in log2 units, and no a_k below 2^-kSharedExpSpan. A tile
-// past that (a set whose LSEs lie far apart, such as positive sets of a
-// pair or two at a large gamma, or factors far below the LSEs' scale) or
-// with a LSE or factor that is not finite (NaN or infinite inputs) takes the
-// two terms' exps.
+// An entry carries the weights of (i, j) and (j, i), which share exp(z), so
+// where a tile allows it they take one exp an entry (docs/math.md, "A
+// pair's two weights"): exp(z - B)·(a_i + a_j), B the least LSE of the
+// entry's set over the tile's rows and columns, a_k = f_k·exp(B - LSE_k)
+// made once a row and column. exp(z - B) is at most exp(LSE_i - B) (z ≤
+// LSE_i), so it stays in range where each set's LSEs lie within
+// kSharedExpSpan of one another (log2 units), and every a_k ≠ 0 is a normal
+// float where none lies below 2^-kSharedExpSpan. Other tiles (LSEs far
+// apart, factors far below the LSEs' scale, values that are not finite)
+// take the two exps.
 template <typename Units>
 struct AnchorWeightRule {
   PairLogit<float> logit;
