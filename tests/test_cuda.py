@@ -159,10 +159,10 @@ def test_several_strips_rows_of_partial_runs():
 # alone miss by far (test_several_strips_with_tf32 below). The split pads
 # its rows to whole 16-byte chunks, so widths that are no multiple of 4
 # (30, 61) and rows that start off a 16-byte boundary (offset) take the
-# tiles as well; 4500 rows: two strips of W; two classes: many positive
+# tiles as well; 6000 rows: two strips of W; two classes: many positive
 # pairs; B·B·D ≥ 2^32 (4500 × 256): the gradient's products in bfloat16 parts.
-@pytest.mark.parametrize("batch,dim,classes,offset", [(600, 8, 13, 0), (1027, 200, 13, 0), (4500, 30, 2, 0),
-                                                      (900, 61, 7, 1), (4500, 24, 60, 1), (4500, 256, 13, 0),
+@pytest.mark.parametrize("batch,dim,classes,offset", [(600, 8, 13, 0), (1027, 200, 13, 0), (6000, 30, 2, 0),
+                                                      (900, 61, 7, 1), (6000, 24, 60, 1), (4500, 256, 13, 0),
                                                       (4500, 250, 2, 1)])
 @pytest.mark.sanitize
 def test_float32_split_tiles_match_reference(batch, dim, classes, offset):
@@ -319,12 +319,12 @@ def test_tf32_products_capture_and_determinism(monkeypatch):
 
 
 # The tensor-core gradients hold only W: where the whole width leaves a
-# strip fewer than 1024 rows (float16/bfloat16: B > 32 768), strips of 2048
-# rows are cut into chunks of 16 384 columns. B = 33 000: 17 strips, those up
-# to row 16 616 in two or three chunks; the symmetric product mirrors each
-# chunk's part right of the diagonal block, and the block ops (rows 4096 of
-# the batch against all of it, two strips of three chunks) add a strip's
-# chunks without a mirror. Their rows are held to the tolerance relative to
+# strip fewer than 2048 rows (float16/bfloat16: B > 32 768), strips of 2048
+# rows are cut into chunks of 32 768 columns. B = 33 000: 17 strips, the
+# first in two chunks (32 768 and 232 columns); the symmetric product
+# mirrors each chunk's part right of the diagonal block, and the block ops
+# (rows 4096 of the batch against all of it, two strips of two chunks) add
+# a strip's chunks without a mirror. Their rows are held to the tolerance relative to
 # the whole gradient, as the op is: with gamma = 256 a few rows carry it,
 # and the rest, made of weights among float16's subnormals, can differ far
 # more relative to their own small norm.
@@ -481,7 +481,7 @@ def test_several_strips_edge_cases(layout, dtype):
 # dtypes' forward on the tensor-core tiles keeps only their partial states,
 # in strips of at most 64 Mi entries of S: B = 9000 takes two, 1000 rows
 # against M = 140 000 three; their backward holds W in strips of 2048 rows cut
-# into column chunks where the whole width would leave fewer than 1024 (B >
+# into column chunks where the whole width would leave fewer than 2048 (B >
 # 16 384 in float32, 32 768 in float16/bfloat16): B = 33 000 (as for
 # circle::loss above) and 1000 rows against M = 140 000, one strip of several.
 def anchor_loss_and_grads(features, labels, ref=None, ref_labels=None):

@@ -21,6 +21,11 @@ namespace {
 // strips of 1 024 rows, wide enough for cuBLAS to run near its peak, and lets
 // batches up to 4 096 run in a single strip that the gradient pass reuses.
 constexpr int64_t kStripBytes = int64_t{64} << 20;
+// Largest strip of W that the tensor-core gradient passes hold at once
+// (plan_column_chunks), 2 bytes an entry in half precision: B = 16 384 in
+// four strips. Every strip costs about four kernel boundaries, a few idle
+// microseconds each, and cuBLAS runs taller products of W·F faster.
+constexpr int64_t kWeightStripBytes = int64_t{128} << 20;
 // Strip heights are multiples of this (and never less): GEMM tile friendly.
 constexpr int64_t kStripAlign = 128;
 // Elementwise kernels: a CTA covers kThreads · kColsPerThread columns of a
@@ -41,15 +46,17 @@ struct Strip {
 // The strips covering rows × cols. Symmetric (rows and cols one tensor): each
 // strip starts its columns at its first row, so S is covered on and above the
 // diagonal; the first strip is the widest.
-// At most max_height rows a strip (default: no limit but the budget).
+// At most max_height rows a strip (default: no limit but the budget) and
+// budget_bytes a strip.
 inline std::vector<Strip> plan_strips(
     int64_t n_rows,
     int64_t n_cols,
     bool symmetric,
     size_t element_bytes,
-    int64_t max_height = std::numeric_limits<int64_t>::max()) {
+    int64_t max_height = std::numeric_limits<int64_t>::max(),
+    int64_t budget_bytes = kStripBytes) {
   const int64_t budget_rows = std::min(
-      max_height, kStripBytes / static_cast<int64_t>(element_bytes) / std::max<int64_t>(n_cols, 1));
+      max_height, budget_bytes / static_cast<int64_t>(element_bytes) / std::max<int64_t>(n_cols, 1));
   const int64_t height = budget_rows >= n_rows
       ? std::max<int64_t>(n_rows, 1)
       : std::max(kStripAlign, budget_rows / kStripAlign * kStripAlign);
@@ -61,18 +68,17 @@ inline std::vector<Strip> plan_strips(
   return strips;
 }
 
-// The gradient passes' strips when they hold only W (the tensor-core paths).
-// Each strip's mirrored product Wᵀ·rows reads and writes the float32
-// gradient rows of all its columns, B²·D·4/h bytes over the strips of height
-// h, and on an H200 below about kShortStrip rows that traffic rather than
-// the arithmetic bounds the product. So where the budget leaves a strip of
-// the whole width fewer rows, strips of kTallStrip rows are cut into chunks
-// of columns of the same budget, left to right; chunks of one strip are
-// consecutive, and in a symmetric product the first starts at the strip's
-// first row and holds its diagonal block. Taller strips cost W's entries
-// below their diagonals, B·h/2 in all, so the chunks stop at kTallStrip.
-// Otherwise as plan_strips.
-constexpr int64_t kShortStrip = 1024;
+// The gradient passes' strips when they hold only W (the tensor-core paths),
+// in kWeightStripBytes. Each strip's mirrored product Wᵀ·rows reads and
+// writes the float32 gradient rows of all its columns, B²·D·4/h bytes over
+// the strips of height h, and on an H200 below about 1024 rows that traffic
+// rather than the arithmetic bounds the product. So where the budget leaves
+// a strip of the whole width fewer than kTallStrip rows, strips of
+// kTallStrip rows are cut into chunks of columns of the same budget, left to
+// right; chunks of one strip are consecutive, and in a symmetric product the
+// first starts at the strip's first row and holds its diagonal block.
+// Taller strips cost W's entries below their diagonals, B·h/2 in all, so
+// the chunks stop at kTallStrip. Otherwise as plan_strips.
 constexpr int64_t kTallStrip = 2048;
 
 inline std::vector<Strip> plan_column_chunks(
@@ -81,12 +87,12 @@ inline std::vector<Strip> plan_column_chunks(
     bool symmetric,
     size_t element_bytes,
     int64_t max_height = std::numeric_limits<int64_t>::max()) {
-  std::vector<Strip> strips = plan_strips(n_rows, n_cols, symmetric, element_bytes, max_height);
+  std::vector<Strip> strips = plan_strips(n_rows, n_cols, symmetric, element_bytes, max_height, kWeightStripBytes);
   const int64_t height = std::min({kTallStrip, max_height, n_rows});
-  if (strips.empty() || strips.front().rows >= std::min(kShortStrip, height)) {
+  if (strips.empty() || strips.front().rows >= height) {
     return strips;
   }
-  const int64_t budget = kStripBytes / static_cast<int64_t>(element_bytes);
+  const int64_t budget = kWeightStripBytes / static_cast<int64_t>(element_bytes);
   const int64_t width = std::max(height, budget / height / kStripAlign * kStripAlign);
   std::vector<Strip> chunks;
   for (int64_t row0 = 0; row0 < n_rows; row0 += height) {
