@@ -387,19 +387,12 @@ struct AnchorWeightRule {
       return span;
     }
 
-    __device__ __forceinline__ void merge(const Span& other) {
+    // Every lane takes the merge of its aligned group of `group` lanes (a
+    // power of two). finite is voted over the whole warp: the group's where
+    // the group is the warp, or where every group holds the same spans.
+    __device__ __forceinline__ void merge_lanes(int group) {
 #pragma unroll
-      for (int set = 0; set < 2; ++set) {
-        most[set] = fmaxf(most[set], other.most[set]);
-        least[set] = fminf(least[set], other.least[set]);
-        least_share[set] = fminf(least_share[set], other.least_share[set]);
-      }
-      finite = finite && other.finite;
-    }
-
-    __device__ __forceinline__ void merge_warp() {
-#pragma unroll
-      for (int lanes = 16; lanes > 0; lanes >>= 1) {
+      for (int lanes = group / 2; lanes > 0; lanes >>= 1) {
 #pragma unroll
         for (int set = 0; set < 2; ++set) {
           most[set] = fmaxf(most[set], __shfl_xor_sync(0xffffffffu, most[set], lanes));
@@ -478,7 +471,7 @@ struct AnchorWeightRule {
       shared.col[i] = scaled(col_coefficients, c, inside, scale);
       span = Span::of(shared.col[i], inside);
     }
-    span.merge_warp();
+    span.merge_lanes(32);
     if (threadIdx.x % 32 == 0) shared.spans[threadIdx.x / 32] = span;
   }
 
@@ -488,8 +481,9 @@ struct AnchorWeightRule {
   __device__ __forceinline__ void with_weight(Shared& shared, Visit visit) const {
     const TileLogit tile_logit(logit, Units::kScale);
     const float half_gamma = 0.5f * logit.gamma; // the slope is ∓half_gamma·twice_alpha
-    Span span = shared.spans[0];
-    for (int w = 1; w < kMmaThreads / 32; ++w) span.merge(shared.spans[w]);
+    constexpr int kWarps = kMmaThreads / 32;
+    Span span = shared.spans[threadIdx.x % kWarps];
+    span.merge_lanes(kWarps);
     if (!span.shares_exp()) {
       visit([&shared, tile_logit, half_gamma](float s, bool positive, int r, int c) {
         float twice_alpha;
