@@ -32,10 +32,10 @@ def assert_op_matches_reference(batch, dim, classes, dtype):
         assert torch.equal(torch.ops.circle.loss(features, labels), loss)
 
 
-# 4500: several strips (below); float32 at D = 256: the gradient's products
-# in bfloat16 parts (B·B·D ≥ 2^32); bfloat16: the tensor-core tiles
+# float32 at 6000: two strips of W; at D = 256: the gradient's products in
+# bfloat16 parts (B·B·D ≥ 2^32); bfloat16: the tensor-core tiles
 @pytest.mark.parametrize("batch,dim,dtype", [(1, 48, torch.float32), (200, 48, torch.float32),
-                                             (700, 48, torch.float32), (4500, 48, torch.float32),
+                                             (700, 48, torch.float32), (6000, 48, torch.float32),
                                              (4500, 256, torch.float32), (4500, 48, torch.bfloat16)])
 def test_cuda_graph_capture_and_replay(batch, dim, dtype):
     static_x, static_y = make_inputs(batch, dim, 9, "cuda", dtype)
@@ -59,10 +59,10 @@ def test_cuda_graph_capture_and_replay(batch, dim, dtype):
         assert_matches_reference(static_loss, static_grad, x, y)
 
 
-# the small-batch path, one strip, several, float32's products in bfloat16
+# the small-batch path, one strip of W, two, float32's products in bfloat16
 # parts (B·B·D ≥ 2^32); bfloat16: the tensor-core tiles
 @pytest.mark.parametrize("batch,dim,dtype", [(300, 96, torch.float32), (1500, 96, torch.float32),
-                                             (4500, 96, torch.float32), (4500, 256, torch.float32),
+                                             (6000, 96, torch.float32), (4500, 256, torch.float32),
                                              (4500, 96, torch.bfloat16)])
 def test_bitwise_deterministic_across_streams(batch, dim, dtype):
     features, labels = make_inputs(batch, dim, 30, "cuda", dtype)
@@ -136,8 +136,9 @@ def test_small_batch_alignment_and_gamma_sign(gamma, aligned):
 
 # Beyond 64 MiB of S the kernels work in several strips of rows, form each
 # strip once, and take negative weights against a running maximum that later
-# strips may raise; positive pairs are done class by class. B = 4500 gives 2
-# strips in float32 and bfloat16, 3 in float64.
+# strips may raise; positive pairs are done class by class. B = 4500 gives 3
+# strips in float64; float32 and bfloat16 take the tensor-core tiles, their
+# W in one strip.
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, BFLOAT16])
 @pytest.mark.sanitize
 def test_several_strips_match_reference(dtype):
@@ -342,8 +343,9 @@ def test_column_chunks_match_reference(dtype):
     assert relative_error(block_grad, grad[:rows], floor=grad.double().norm().item()) <= TOLERANCE[dtype][1]
 
 
+# 6000 rows: two strips of W in float32, for the op and the block gradient.
 def test_block_ops_over_several_strips():
-    features, labels = make_inputs(4500, 24, 60, "cuda")
+    features, labels = make_inputs(6000, 24, 60, "cuda")
     loss, grad = torch.ops.circle._loss_with_grad(features, labels, 0.25, 256.0)
     partials = torch.ops.circle._lse_partials(features, labels, features, labels, 0.25, 256.0)
     scalars = torch.ops.circle._lse_finish(partials[None])
