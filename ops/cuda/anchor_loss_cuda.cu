@@ -1059,9 +1059,10 @@ class AnchorPasses {
   }
 
   // The backward's strips. On the tensor cores a strip holds only W, in the
-  // features' dtype, so the budget takes twice the rows of float32 S: half
-  // as many launches, and taller products for cuBLAS; and strips too wide
-  // for kTallStrip rows are cut into chunks of columns.
+  // features' dtype and W's own budget (plan_column_chunks), so it takes
+  // more rows than a strip of float32 S: fewer launches, and taller
+  // products for cuBLAS; and strips too wide for kTallStrip rows are cut
+  // into chunks of columns.
   std::vector<Strip> gradient_strips() const {
     if (!tensor_cores_) return strips_;
     return plan_column_chunks(q_.size(), r_.size(), self_, takes_halves_ ? sizeof(c10::Half) : sizeof(scalar_t),
