@@ -1086,7 +1086,9 @@ class AnchorPasses {
   // bfloat16 parts where small_weight_space is defined, scaled by
   // weight_scale where that is given (HalfProducts). after_products: the
   // stream's last kernels are the products of the previous strip's W, of
-  // which the kernel is made a dependent.
+  // which the kernel is made a dependent. Without a reference set an entry
+  // carries both (i, j) and (j, i), so W is symmetric, and a strip's
+  // diagonal block takes only the tiles on and above its diagonal.
   SplitMatrix launch_tile_weights(
       const Strip& strip,
       const at::Tensor& weight_space,
@@ -1102,7 +1104,7 @@ class AnchorPasses {
             after_products, in,
             AnchorWeightRule<TileUnits<scalar_t>>{logit_, row_coefficients, col_coefficients, strip.rows, strip.cols,
                                                   first_column(strip), left_out(strip), weight_scale},
-            /*symmetric=*/false, weights);
+            /*symmetric=*/self_ && strip.col0 == strip.row0, weights);
       });
     }
     return weights;

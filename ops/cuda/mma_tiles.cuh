@@ -997,9 +997,10 @@ struct alignas(8) TileLabels {
 //                                  from Shared, meeting at a CTA barrier).
 // The tile of W goes through shared memory, so that global stores are whole
 // 16 bytes. symmetric: the strip's columns start at its first row and W is
-// symmetric there (the global form), so its diagonal block's tiles below
-// the diagonal are those above it transposed: those CTAs return at once,
-// and the ones above store their tile's transpose too. Launched as a
+// symmetric there (the global form, and the per-anchor form without a
+// reference set, whose entries carry both orders), so its diagonal block's
+// tiles below the diagonal are those above it transposed: those CTAs return
+// at once, and the ones above store their tile's transpose too. Launched as a
 // dependent of the products that read the previous strip's W from the same
 // memory, a CTA forms its tile while they finish and waits only before it
 // stores. W goes out in the features' dtype, for split float32 in bfloat16
