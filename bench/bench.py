@@ -7,8 +7,9 @@ forward+backward, over B and the label distribution.
 
 Every (B, classes) also times the GEMM F·Fᵀ of the same size and dtype, and
 the table gives each op's time in GEMM-equivalents: its time over the GEMM's,
-the two timed in alternating blocks, so that machine drift within the run
-cancels. That is the figure that says how near the op runs to the rate of the
+the two timed in alternating blocks of about 20 ms each, so that machine
+drift within the run, and a GPU's clock, which falls as a GEMM at full rate
+runs on, are the same for both. That is the figure that says how near the op runs to the rate of the
 matrix product it cannot do without. "--classes B" draws B classes for a
 batch of B (almost every label distinct). "--sorted-labels" puts the rows in
 label order, as a sampler that emits each class's rows together and the
@@ -116,16 +117,23 @@ def median_seconds(stmt_fn, min_run_time) -> float:
     return timer_of(stmt_fn).blocked_autorange(min_run_time=min_run_time).median
 
 
-def paired_median_seconds(stmt_fn, yardstick_fn, min_run_time, alternations=5) -> tuple[float, float]:
+def paired_median_seconds(stmt_fn, yardstick_fn, min_run_time, block_seconds=0.02) -> tuple[float, float]:
     """Medians of stmt_fn and of the yardstick, timed in alternating blocks
-    so that both see the machine in the same state: on a shared VM the GEMM's
-    own time drifts by tens of percent within a run, and a ratio of times
-    taken minutes apart carries that drift."""
+    of about block_seconds each, so that both see the machine in the same
+    state: on a shared VM the GEMM's own time drifts by tens of percent
+    within a run, and a GPU kept busy for longer runs at lower clocks, so
+    blocks of unequal length (blocked_autorange's, sized by powers of ten)
+    would time the two in different states. Each side's repetitions a block
+    come from a timing of one call."""
     timers = (timer_of(stmt_fn), timer_of(yardstick_fn))
+    numbers = []
+    for timer in timers:
+        timer.timeit(1)  # warm-up
+        numbers.append(max(1, round(block_seconds / timer.timeit(1).median)))
     times = ([], [])
-    for _ in range(alternations):
-        for timer, samples in zip(timers, times):
-            samples += timer.blocked_autorange(min_run_time=min_run_time / alternations).times
+    while sum(times[0]) * numbers[0] < min_run_time or len(times[0]) < 5:
+        for timer, number, samples in zip(timers, numbers, times):
+            samples.append(timer.timeit(number).median)
     return statistics.median(times[0]), statistics.median(times[1])
 
 
