@@ -9,12 +9,12 @@ Every (B, classes) also times the GEMM F·Fᵀ of the same size and dtype, and
 the table gives each op's time in GEMM-equivalents: its time over the GEMM's,
 the two timed in alternating blocks of about 20 ms each, so that machine
 drift within the run, and a GPU's clock, which falls as a GEMM at full rate
-runs on, are the same for both. That is the figure that says how near the op runs to the rate of the
-matrix product it cannot do without. "--classes B" draws B classes for a
-batch of B (almost every label distinct). "--sorted-labels" puts the rows in
-label order, as a sampler that emits each class's rows together and the
-classes in order would: the tensor-core tiles then find most of their pairs
-in one set and skip the label compares.
+runs on, are the same for both. That is the figure that says how near the
+op runs to the rate of the matrix product it cannot do without. "--classes
+B" draws B classes for a batch of B (almost every label distinct).
+"--sorted-labels" puts the rows in label order, as a sampler that emits each
+class's rows together and the classes in order would: the tensor-core tiles
+then find most of their pairs in one set and skip the label compares.
 
 Prints a table (median times, speed-ups over eager, extra peak memory) and
 writes it as CSV, JSON and a PNG plot under --out. On CUDA it also measures a
