@@ -325,10 +325,10 @@ def test_tf32_products_capture_and_determinism(monkeypatch):
 # first in two chunks (32 768 and 232 columns); the symmetric product
 # mirrors each chunk's part right of the diagonal block, and the block ops
 # (rows 4096 of the batch against all of it, two strips of two chunks) add
-# a strip's chunks without a mirror. Their rows are held to the tolerance relative to
-# the whole gradient, as the op is: with gamma = 256 a few rows carry it,
-# and the rest, made of weights among float16's subnormals, can differ far
-# more relative to their own small norm.
+# a strip's chunks without a mirror. Their rows are held to the tolerance
+# relative to the whole gradient, as the op is: with gamma = 256 a few rows
+# carry it, and the rest, made of weights among float16's subnormals, can
+# differ far more relative to their own small norm.
 @pytest.mark.parametrize("dtype", [FLOAT16, BFLOAT16])
 def test_column_chunks_match_reference(dtype):
     batch = 33_000
