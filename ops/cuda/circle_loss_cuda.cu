@@ -151,12 +151,16 @@ __device__ __forceinline__ void tile_position(bool symmetric, int64_t row_tiles,
 }
 
 // The thread's (max, Σ) of both sets over its entries of a tile, which hold
-// S on entry and their logits in Units on exit; each entry's
-// sum term is weighted by its multiplicity relative to an off-diagonal pair
-// (1; 1/2 on a symmetric product's diagonal, 0 below it or past the end).
-// kEveryEntry: a full tile off the diagonal, where every entry has weight 1
-// and none is tested. The maxima come first, then the sums at them: one ex2
-// an entry, no branch.
+// S on entry and their logits in Units on exit, -inf at the entries that do
+// not count (below a symmetric product's diagonal, past the ends); each
+// entry's sum term is weighted by its multiplicity relative to an
+// off-diagonal pair (1; 1/2 on a symmetric product's diagonal). kEveryEntry:
+// a full tile off the diagonal, where every entry counts once and none is
+// tested. The maxima come first, then the sums at them: one ex2 an entry, no
+// branch. An entry that does not count is a term of 0 in the sums rather
+// than a skipped one, so that nothing about it is kept from the first pass
+// to the second: keeping each entry's weight took registers enough to spill
+// on sm_80.
 template <bool kEveryEntry, typename Units>
 __device__ __forceinline__ void tile_entry_states(
     TileAccumulators& tile,
@@ -167,13 +171,6 @@ __device__ __forceinline__ void tile_entry_states(
     bool diagonal,
     LseState<float>& positive,
     LseState<float>& negative) {
-  const auto weight_of = [&](int r, int c) {
-    if constexpr (kEveryEntry) {
-      return 1.0f;
-    } else {
-      return r >= valid_rows || c >= valid_cols ? 0.0f : !diagonal ? 1.0f : c > r ? 1.0f : c == r ? 0.5f : 0.0f;
-    }
-  };
   // Plain floats, each entry updating one by a predicated instruction: a
   // reference to one set's state or the other's would keep both in local
   // memory.
@@ -184,22 +181,29 @@ __device__ __forceinline__ void tile_entry_states(
     const bool in_positive = labels.positive(r, c);
     float twice_alpha;
     s = logit(s, in_positive, &twice_alpha); // the entry now holds its logit
-    if (weight_of(r, c) == 0.0f) return;
+    if constexpr (!kEveryEntry) {
+      if (r >= valid_rows || c >= valid_cols || (diagonal && c < r)) s = -kInfinity;
+    }
     if (in_positive) {
       positive_max = fast_nan_max(positive_max, s);
     } else {
       negative_max = fast_nan_max(negative_max, s);
     }
   });
+  // A set whose entries do not count has no maximum (-inf): its terms are
+  // 2^(-inf - 0) = 0, not 2^(-inf + inf) = NaN.
+  const float positive_base = exponent_base(positive_max);
+  const float negative_base = exponent_base(negative_max);
   float positive_sum = 0.0f;
   float negative_sum = 0.0f;
   int2 column_ids;
   tile.for_each([&](float u, int r, int c, int k) {
     if (k % 4 == 0) column_ids = labels.column_pair_anew(c); // the fragment's columns c and c + 1
-    const float weight = weight_of(r, c);
-    if (weight == 0.0f) return;
     const bool in_positive = labels.row[r] == (k % 2 == 0 ? column_ids.x : column_ids.y);
-    const float term = weight * Units::term(u, in_positive ? positive_max : negative_max);
+    float term = Units::term(u, in_positive ? positive_base : negative_base);
+    if constexpr (!kEveryEntry) {
+      if (diagonal && c == r) term *= 0.5f;
+    }
     if (in_positive) {
       positive_sum += term;
     } else {
