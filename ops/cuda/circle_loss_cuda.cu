@@ -159,8 +159,8 @@ __device__ __forceinline__ void tile_position(bool symmetric, int64_t row_tiles,
 // tested. The maxima come first, then the sums at them: one ex2 an entry, no
 // branch. An entry that does not count is a term of 0 in the sums rather
 // than a skipped one, so that nothing about it is kept from the first pass
-// to the second: keeping each entry's weight took registers enough to spill
-// on sm_80.
+// to the second: keeping each entry's weight would take registers enough to
+// spill on sm_80.
 template <bool kEveryEntry, typename Units>
 __device__ __forceinline__ void tile_entry_states(
     TileAccumulators& tile,
