@@ -4,6 +4,9 @@
 #include <ATen/OpMathType.h>
 #include <c10/core/SymBool.h>
 
+#include <cmath>
+#include <limits>
+
 namespace circle_loss {
 
 namespace {
@@ -55,9 +58,26 @@ void check_rows(
       features.device());
 }
 
-void check_margin_and_gamma(const char* op, double margin, double gamma) {
+// margin and gamma must be finite, and small enough that no pair of unit-norm
+// rows overflows the slope of its logit, dz/ds = ∓γ·α with α <= 2 + |m| for
+// |s| <= 1, in the accumulation dtype the kernels compute in. Larger values
+// turn γ or m into inf there, and inf·0 into NaN; within the bound a logit
+// or loss beyond the range is inf, as torch.logsumexp gives.
+void check_margin_and_gamma(const char* op, double margin, double gamma, at::ScalarType dtype) {
   TORCH_CHECK(std::isfinite(margin), op, ": margin must be a finite float, got ", margin);
   TORCH_CHECK(std::isfinite(gamma), op, ": gamma must be a finite float, got ", gamma);
+  const bool in_double = at::toOpMathType(dtype) == at::kDouble;
+  const char* accumulation = in_double ? "float64" : "float32";
+  const double largest =
+      in_double ? std::numeric_limits<double>::max() : static_cast<double>(std::numeric_limits<float>::max());
+  TORCH_CHECK(
+      std::abs(margin) <= largest,
+      op, ": margin must lie within the range of ", accumulation, ", the dtype the op computes in, got ", margin);
+  TORCH_CHECK(
+      std::abs(gamma) * (2.0 + std::abs(margin)) <= largest,
+      op, ": gamma = ", gamma, " with margin = ", margin, " overflows ", accumulation,
+      ", the dtype the op computes in: |gamma|·(2 + |margin|), the largest slope of a logit of unit-norm rows, "
+      "must be at most ", largest);
 }
 
 } // namespace
@@ -68,7 +88,7 @@ void check_inputs(
     double margin,
     double gamma) {
   check_rows("circle::loss", "features", "labels", "B", features, labels);
-  check_margin_and_gamma("circle::loss", margin, gamma);
+  check_margin_and_gamma("circle::loss", margin, gamma, features.scalar_type());
 }
 
 void check_anchor_inputs(
@@ -129,7 +149,7 @@ void check_anchor_inputs(
         op, ": ref_self_index must be on the device of features, got ", index.device(), " and ",
         features.device());
   }
-  check_margin_and_gamma(op, margin, gamma);
+  check_margin_and_gamma(op, margin, gamma, features.scalar_type());
 }
 
 void check_anchor_backward_inputs(

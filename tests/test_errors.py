@@ -10,6 +10,7 @@ import torch
 
 import circle_loss
 from conftest import make_inputs
+from reference import anchor_loss_reference, circle_loss_reference, relative_error
 
 
 def loss(features, labels, margin=0.25, gamma=256.0):
@@ -112,3 +113,85 @@ def test_errors_raised_inside_the_library_reach_python_in_a_fresh_process(device
     assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"
     lines = result.stdout.splitlines()
     assert len(lines) == 12 and all(line.startswith("refused: circle::loss: ") for line in lines), lines
+
+
+# margin and gamma beyond what the accumulation dtype (float32 for float32,
+# float16 and bfloat16 features) can hold once multiplied into a logit's
+# slope: refused with the parameter named, never a NaN loss.
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_BEYOND_FLOAT32 = [3.5e38, 1e39, 1e300, _FLOAT32_MAX, 2e38]
+
+
+def _all_forms(features, labels, margin, gamma):
+    """Calls of circle::loss and of anchor_loss without and with references,
+    each once without and once with a gradient wanted."""
+    ref, ref_labels = features.flip(0), labels.flip(0)
+    calls = []
+    for requires_grad in (False, True):
+        x = features.detach().clone().requires_grad_(requires_grad)
+        calls += [
+            lambda x=x: torch.ops.circle.loss(x, labels, margin, gamma),
+            lambda x=x: torch.ops.circle.anchor_loss(x, labels, None, None, margin, gamma),
+            lambda x=x: torch.ops.circle.anchor_loss(x, labels, ref, ref_labels, margin, gamma),
+        ]
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("value", _BEYOND_FLOAT32)
+def test_gamma_beyond_the_accumulation_range_is_refused(device, dtype, sign, value):
+    features, labels = make_inputs(12, 5, 3, device, dtype)
+    for call in _all_forms(features, labels, 0.25, sign * value):
+        with pytest.raises(RuntimeError, match=r"circle::(anchor_)?loss: gamma = .* overflows float32"):
+            call()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("value", [3.5e38, 1e39, 1e300])
+def test_margin_beyond_the_accumulation_range_is_refused(device, dtype, sign, value):
+    features, labels = make_inputs(12, 5, 3, device, dtype)
+    for gamma in (0.0, 256.0):
+        for call in _all_forms(features, labels, sign * value, gamma):
+            with pytest.raises(RuntimeError, match=r"circle::(anchor_)?loss: (margin must lie within the range of "
+                                                   r"float32|gamma = .* overflows float32)"):
+                call()
+
+
+def test_parameter_bounds_follow_the_accumulation_dtype(device):
+    # float64 features compute in float64: gamma = 1e39 is an ordinary value
+    # there (the float64 reference is about 1e39, finite), 1e308 is not.
+    features, labels = make_inputs(12, 5, 3, device, torch.float64)
+    for gamma in (1e39, -1e39, 1e300):
+        total = torch.ops.circle.loss(features, labels, 0.25, gamma)
+        expected = circle_loss_reference(features, labels, 0.25, gamma)
+        assert torch.isfinite(total) and torch.allclose(total, expected, rtol=1e-10, atol=0), (gamma, total, expected)
+        rows = torch.ops.circle.anchor_loss(features, labels, None, None, 0.25, gamma)
+        expected = anchor_loss_reference(features, labels, margin=0.25, gamma=gamma)
+        assert torch.allclose(rows, expected, rtol=1e-10, atol=0), (gamma, rows, expected)
+    for gamma in (1e308, -1e308):
+        with pytest.raises(RuntimeError, match="gamma = .* overflows float64"):
+            loss(features, labels, 0.25, gamma)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_largest_accepted_parameters_give_no_nan(device, dtype):
+    # At the edge of what is accepted, and with either sign: no loss is NaN,
+    # nor the gradient of a finite loss (which may itself overflow to inf:
+    # its terms reach |gamma|·(2 + |margin|) each). (Values there are
+    # ill-conditioned, gamma times the rounding of S, so they are compared
+    # with the reference at ordinary sizes elsewhere, and for overflow to inf
+    # in test_modes.)
+    features, labels = make_inputs(40, 6, 3, device, dtype)
+    largest = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
+    for margin in (0.25, -0.25, 2.0, 0.0, 1e10, -1e10):
+        edge = largest / (2.0 + abs(margin)) * (1 - 1e-9)  # the product rounds up at the exact quotient
+        for gamma in (edge, -edge, edge / 100, 256.0, -256.0):
+            for call in _all_forms(features, labels, margin, gamma):
+                value = call()
+                assert not torch.isnan(value).any() and (value >= 0).all(), (margin, gamma, value)
+                if value.requires_grad and torch.isfinite(value).all():
+                    leaf = value.grad_fn.next_functions[0][0].variable
+                    (grad,) = torch.autograd.grad(value.sum(), leaf)
+                    assert not torch.isnan(grad).any(), (margin, gamma)
