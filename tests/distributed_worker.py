@@ -66,6 +66,38 @@ def refusals(rank: int, device) -> dict[str, str]:
     return messages
 
 
+MIXED_GRAD_CASES = ("plain_empty_shard", "rows_without_grad", "under_no_grad")
+
+
+def mixed_grad(rank: int, world: int, device) -> dict[str, tuple]:
+    """Each case: rank 1's rows need no gradient, the others' do; every rank
+    must finish with the global loss, and the others' rows get their
+    gradient. Returns each case's (loss, gradient of this rank's rows or
+    None) on this rank, for the batch of mixed_grad_sizes."""
+    sizes = mixed_grad_sizes(world)
+    first = sum(sizes[:rank])
+    features, labels = global_batch(sum(sizes), 8, torch.float64, device)
+    rows, row_labels = features[first : first + sizes[rank]], labels[first : first + sizes[rank]]
+    results = {}
+    for case in MIXED_GRAD_CASES:
+        mine = rows.clone().requires_grad_(rank != 1 or case == "under_no_grad")
+        if rank == 1 and case == "plain_empty_shard":
+            mine, row_labels_1 = torch.empty(0, 8, dtype=torch.float64, device=device), row_labels[:0]
+        else:
+            row_labels_1 = row_labels
+        with torch.set_grad_enabled(not (rank == 1 and case == "under_no_grad")):
+            loss = circle_loss.distributed.loss(mine, row_labels_1, 0.25, 64.0)
+        grad = torch.autograd.grad(loss, mine)[0].cpu() if loss.requires_grad else None
+        results[case] = (loss.detach().cpu(), grad)
+    return results
+
+
+def mixed_grad_sizes(world: int) -> list[int]:
+    """Rank 1 holds no rows; the others 30, 40, ... (the plain empty shard's
+    case needs rank 1 empty in all cases, so that the batches agree)."""
+    return [0 if r == 1 else 30 + 10 * r for r in range(world)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rank", type=int)
@@ -78,6 +110,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--refusals", action="store_true",
                         help="instead: rank 1 deviates in each way the ranks must agree on; save every message")
+    parser.add_argument("--mixed-grad", action="store_true",
+                        help="instead: rank 1's rows need no gradient, the others' do; save each case's results")
     args = parser.parse_args()
     device = torch.device(args.device, args.rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -86,8 +120,10 @@ def main() -> None:
         args.backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
         world_size=args.world, timeout=datetime.timedelta(seconds=120),
     )
-    if args.refusals:
-        torch.save(refusals(args.rank, device), os.path.join(args.out, f"rank{args.rank}.pt"))
+    special = refusals(args.rank, device) if args.refusals else None
+    special = mixed_grad(args.rank, args.world, device) if args.mixed_grad else special
+    if special is not None:
+        torch.save(special, os.path.join(args.out, f"rank{args.rank}.pt"))
         dist.destroy_process_group()
         return
     sizes = split_sizes(args.batch, args.world)

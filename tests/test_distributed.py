@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 import circle_loss
 import circle_loss.distributed
-from distributed_worker import global_batch, split_sizes
-from reference import assert_matches_reference
+from distributed_worker import MIXED_GRAD_CASES, global_batch, mixed_grad_sizes, split_sizes
+from reference import assert_matches_reference, reference_loss_and_grad
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
@@ -94,6 +94,28 @@ def test_ranks_that_disagree_all_get_the_same_clear_error(tmp_path):
         for rank, messages in enumerate(results):
             wanted = "labels must have one entry per row" if (name, rank) == ("labels", 1) else text
             assert wanted in messages[name], (name, rank, messages[name])
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_disagree_on_needing_a_gradient_all_finish(world, tmp_path):
+    # Rank 1's rows need no gradient (a plain empty shard, rows without
+    # requires_grad, a call under no_grad) while the other ranks' do: every
+    # rank returns the global loss and the others get their rows' gradient,
+    # where a rank that skipped the gradient's ring would leave them waiting.
+    results = run_ranks(world, tmp_path, extra=("--mixed-grad",))
+    sizes = mixed_grad_sizes(world)
+    features, labels = global_batch(sum(sizes), 8, torch.float64, "cpu")
+    expected_loss, expected_grad = reference_loss_and_grad(features, labels, 0.25, 64.0)
+    for case in MIXED_GRAD_CASES:
+        for rank, result in enumerate(results):
+            loss, grad = result[case]
+            assert torch.allclose(loss, expected_loss, rtol=1e-10, atol=0), (case, rank, loss, expected_loss)
+            if rank == 1:
+                assert grad is None, case
+            else:
+                first = sum(sizes[:rank])
+                assert torch.allclose(grad, expected_grad[first : first + sizes[rank]], rtol=1e-8, atol=1e-12), case
 
 
 def test_bad_input_is_refused_before_any_collective():

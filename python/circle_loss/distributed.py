@@ -4,7 +4,8 @@ Each rank passes its own rows and labels; every rank gets the loss of the
 *global* batch, and backward gives each rank the gradient of that loss with
 respect to its own rows: the same, to rounding, as `circle_loss.circle_loss`
 on the concatenated batch. gloo (CPU) and NCCL (CUDA) both work; ranks may
-hold different numbers of rows, zero included.
+hold different numbers of rows, zero included, and need not agree on whether
+their rows need a gradient.
 
 How: the loss depends on all pairs only through two log-sum-exps, and the
 gradient of row i is 2·Σ_j G_ij f_j (docs/math.md). Feature blocks travel round a
@@ -75,11 +76,14 @@ def _check_local(features, labels, margin, gamma):
     torch.ops.circle.loss(features.to("meta"), labels.to("meta") if same_device else labels, margin, gamma)
 
 
-def _agreed_sizes(features, labels, margin, gamma, group):
-    """Every rank's row count, once all ranks are known to have valid input
-    and to agree on D, dtype, margin and gamma. One all_gather carries all of
-    it, so every rank raises the same error, or none does, before any ring
-    traffic: a rank that raised alone would leave the others waiting."""
+def _agreed_sizes(features, labels, margin, gamma, group, need_grad):
+    """Every rank's row count, and whether any rank's rows need a gradient,
+    once all ranks are known to have valid input and to agree on D, dtype,
+    margin and gamma. One all_gather carries all of it, so every rank raises
+    the same error, or none does, before any ring traffic: a rank that raised
+    alone would leave the others waiting. The gradient's ring takes every
+    rank, so a rank whose rows need none (an empty shard, rows under
+    no_grad) still runs it when another rank's rows do."""
     problem = None
     try:
         _check_local(features, labels, margin, gamma)
@@ -98,6 +102,7 @@ def _agreed_sizes(features, labels, margin, gamma, group):
             float(_DTYPES.index(features.dtype)) if valid else -1.0,
             float(margin) if valid else 0.0,
             float(gamma) if valid else 0.0,
+            float(need_grad),
         ],
         dtype=torch.float64,
         device=device,
@@ -123,11 +128,13 @@ def _agreed_sizes(features, labels, margin, gamma, group):
             "circle_loss.distributed.loss: every rank must pass features of the same width D and "
             f"dtype, and the same margin and gamma, got {details}"
         )
-    return [int(row[1]) for row in rows]
+    return [int(row[1]) for row in rows], any(row[6] == 1.0 for row in rows)
 
 
 def _loss_and_grad(features, labels, margin, gamma, group, need_grad):
-    sizes = _agreed_sizes(features, labels, margin, gamma, group)
+    """The global loss and, where any rank's rows need a gradient, this
+    rank's rows' gradient of it (None where none does)."""
+    sizes, need_grad = _agreed_sizes(features, labels, margin, gamma, group, need_grad)
     world = len(sizes)
     labels = labels.to(torch.int64).contiguous()
     features = features.contiguous()
