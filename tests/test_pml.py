@@ -229,12 +229,96 @@ def test_fused_path_is_taken_where_the_op_is_exact():
     loss_fn = circle_loss.pml.CircleLoss()
     x, y = make_inputs(10, 4, 2, "cpu")
     r, ry = make_inputs(12, 4, 2, "cpu")
-    assert loss_fn._fused(x, y, None, x, y)
-    assert loss_fn._fused(x, y, None, r, ry)
-    assert not loss_fn._fused(x, y, None, r[:10], y)  # (i, i) across two sets
-    assert not loss_fn._fused(x, y, (y, y, y, y), x, y)  # a miner's pairs
+    assert loss_fn._fused_call(x, y, None, x, y) is not None
+    assert loss_fn._fused_call(x, y, None, r, ry) is not None
+    assert loss_fn._fused_call(x, y, None, r[:10], y) is not None  # (i, i) across two sets, left out by position
+    assert loss_fn._fused_call(x, y, None, r[:10], None) is not None  # ref_emb alone: the same pairs
+    assert loss_fn._fused_call(x, y, None, r, None) is None  # PML's own columns [0, B) of ref_emb
+    assert loss_fn._fused_call(x, y, (y, y, y, y), x, y) is None  # a miner's pairs
+    assert loss_fn._fused_call(x, y.to(torch.complex64), None, x, y.to(torch.complex64)) is None
     x2, y2 = x[:2], y[:2]
-    assert not loss_fn._fused(x2, y2, None, x2, y2)  # PML's zero for <= 2 pairs
+    assert loss_fn._fused_call(x2, y2, None, x2, y2) is None  # PML's zero for <= 2 pairs
+
+
+def _label_variants(batch, device):
+    """Labels as PML users pass them: every dtype PML compares with ==,
+    fractional and signed-zero floats, NaN (which matches nothing)."""
+    base = torch.randint(0, 4, (batch,), device=device)
+    fractional = torch.tensor([0.5, 0.7, -0.0, 0.0, 1e-3], device=device)[torch.randint(0, 5, (batch,))]
+    with_nan = base.double()
+    with_nan[::7] = math.nan
+    variants = {str(dtype): base.to(dtype) for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8,
+                                                       torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+    variants.update(bool=base > 1, fractional=fractional, fractional_float16=fractional.half(), nan=with_nan)
+    return variants
+
+
+def _run_both(call, inputs):
+    """call(loss_fn, *leaves) with PML's class and with the drop-in: both
+    raise the same type of error, or give the same losses and gradients."""
+    outcomes = []
+    for cls in (losses.CircleLoss, circle_loss.pml.CircleLoss):
+        leaves = [x.detach().clone().requires_grad_() if x.dtype == torch.float64 else x for x in inputs]
+        try:
+            loss = call(cls(), *leaves)
+            loss.backward()
+            outcomes.append((loss.detach(), [x.grad for x in leaves if x.requires_grad]))
+        except Exception as error:  # noqa: BLE001  (PML raises several types)
+            outcomes.append(type(error))
+    (expected, got) = outcomes
+    if isinstance(expected, type) or isinstance(got, type):
+        assert expected == got, outcomes
+        return False
+    assert relative_error(got[0], expected[0]) <= loss_tolerance(torch.float64), outcomes
+    for g, e in zip(got[1], expected[1]):
+        assert (g is None) == (e is None)
+        if e is not None:
+            assert relative_error(g, e, floor=1e-12) <= grad_tolerance(torch.float64)
+    return True
+
+
+@pytest.mark.parametrize("mode", ["labels", "ref_emb_and_labels", "ref_emb_alone", "ref_emb_alone_longer",
+                                  "ref_emb_alone_shorter", "ref_labels_is_labels", "ref_labels_of_other_dtype"])
+def test_drop_in_accepts_what_pml_accepts(device, mode, monkeypatch):
+    # PML's input handling (BaseMetricLossFunction.forward, c_f.set_ref_emb,
+    # get_matches_and_diffs) across label dtypes and reference modes: the
+    # drop-in runs the op wherever it is exact and agrees with stock PML
+    # everywhere, errors included.
+    calls = []
+    monkeypatch.setattr(circle_loss.pml, "anchor_loss", lambda *a: calls.append(a) or circle_loss.anchor_loss(*a))
+    batch = 30
+    x, _ = unnormalised(batch, 8, 1, device, torch.float64)
+    r, _ = unnormalised({"ref_emb_alone_longer": 40, "ref_emb_alone_shorter": 20}.get(mode, batch), 8, 1, device,
+                        torch.float64)
+    for name, y in _label_variants(batch, device).items():
+        ry = _label_variants(batch, device)[name]
+        calls.clear()
+        if mode == "labels":
+            fused = _run_both(lambda f, x: f(x, y), [x])
+        elif mode == "ref_emb_and_labels":
+            fused = _run_both(lambda f, x, r: f(x, y, ref_emb=r, ref_labels=ry), [x, r])
+        elif mode.startswith("ref_emb_alone"):
+            fused = _run_both(lambda f, x, r: f(x, y, ref_emb=r), [x, r])
+        elif mode == "ref_labels_is_labels":
+            fused = _run_both(lambda f, x, r: f(x, y, ref_emb=r, ref_labels=y), [x, r])
+        else:
+            other = ry.double() if not ry.is_floating_point() else ry.to(torch.int64)
+            fused = _run_both(lambda f, x, r: f(x, y, ref_emb=r, ref_labels=other), [x, r])
+        expected_calls = 0 if mode in ("ref_emb_alone_longer", "ref_emb_alone_shorter") else 1
+        assert len(calls) == (expected_calls if fused else 0), (name, mode)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_cross_batch_memory_with_floating_labels(device, dtype):
+    # PML keeps the bank's labels in the labels' dtype; fractional ones are
+    # classes of their own.
+    def call(memory, x, y):
+        return memory(x, (y.to(dtype) + 0.5) / 4)
+
+    run_memories(lambda: losses.CrossBatchMemory(losses.CircleLoss(), embedding_size=16, memory_size=50),
+                 lambda: circle_loss.pml.CrossBatchMemory(circle_loss.pml.CircleLoss(), embedding_size=16,
+                                                          memory_size=50),
+                 [20, 20, 20], torch.float64, device, call)
 
 
 def test_class_name_and_pickling():

@@ -13,7 +13,8 @@ With labels and no ``indices_tuple`` the per-anchor losses come from
 matrix; the result is PML's per-element loss dict, so its reducers,
 regularizers, hooks and stats work unchanged. Everything else (a miner's
 ``indices_tuple``, a distance other than cosine or dot-product similarity,
-``ref_emb`` given with ``ref_labels is labels``) goes through PML's own code.
+complex labels, ``ref_emb`` of another length than the batch's given without
+its own labels) goes through PML's own code.
 
 PML's ``CrossBatchMemory`` hands its loss an ``indices_tuple`` (every pair of
 the batch with the bank but each query's own copy), which the op cannot
@@ -26,6 +27,7 @@ queries' own copies left out by position (``ref_self_index``).
 
 from __future__ import annotations
 
+import torch
 from pytorch_metric_learning import losses as _pml_losses
 from pytorch_metric_learning.distances import CosineSimilarity, DotProductSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
@@ -49,31 +51,70 @@ class _BankPairs:
         return pairs if self.copies is None else lmu.remove_self_comparisons(pairs, self.copies, self.bank_size)
 
 
+# float64 quiet-NaN bit patterns: no number's bits equal them, so NaN labels
+# (which PML's == matches with nothing, not even themselves) take distinct ids
+# from here on, one a position.
+_NAN_IDS = 0x7FF8_0000_0000_0001
+
+
+def _class_ids(labels, ref_labels):
+    """``labels`` and ``ref_labels`` (or None) as integer class ids that are
+    equal exactly where PML's ``labels[i] == ref_labels[j]`` holds, after the
+    same type promotion; None for labels the op cannot take (complex)."""
+    common = labels.dtype if ref_labels is None else torch.promote_types(labels.dtype, ref_labels.dtype)
+    if common.is_complex:
+        return None
+    if not common.is_floating_point:
+        if common == torch.bool:
+            common = torch.uint8
+        return labels.to(common), None if ref_labels is None else ref_labels.to(common)
+    # Promoted as PML's comparison promotes them, then widened exactly to
+    # float64, whose bits are equal where the values are (+ 0.0 makes -0.0
+    # into 0.0), NaNs apart.
+    offset = 0
+    ids = []
+    for values in (labels, ref_labels):
+        if values is None:
+            ids.append(None)
+            continue
+        wide = values.to(common).to(torch.float64) + 0.0
+        bits = wide.view(torch.int64)
+        positions = torch.arange(offset, offset + len(values), device=values.device)
+        ids.append(torch.where(torch.isnan(wide), _NAN_IDS + positions, bits))
+        offset += len(values)
+    return ids[0], ids[1]
+
+
 class CircleLoss(_pml_losses.CircleLoss):
-    """pytorch-metric-learning's ``CircleLoss``, computed by the fused op."""
+    """pytorch-metric-learning's ``CircleLoss``, computed by the fused op.
+
+    Same constructor (``m=0.4, gamma=80``, ``reducer``, ``distance``,
+    ``embedding_regularizer``, ...) and same ``forward(embeddings, labels,
+    indices_tuple=None, ref_emb=None, ref_labels=None)`` as PML's class, with
+    the same results and errors; labels of any dtype PML compares (integer,
+    bool, floating: 0.5 and 0.7 are two classes)."""
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         bank = indices_tuple if isinstance(indices_tuple, _BankPairs) else None
         if bank is not None:
             indices_tuple = None
-        if not self._fused(embeddings, labels, indices_tuple, ref_emb, ref_labels, bank):
+        call = self._fused_call(embeddings, labels, indices_tuple, ref_emb, ref_labels, bank)
+        if call is None:
             if bank is not None:
                 indices_tuple = bank.indices_tuple(labels, ref_labels)
             return super().compute_loss(embeddings, labels, indices_tuple, ref_emb, ref_labels)
-        # PML leaves out the pairs (i, i) exactly when ref_labels is labels
-        # (its default, with ref_emb the embeddings themselves).
-        self_pairs = ref_labels is labels
         query = self.distance.maybe_normalize(embeddings)
-        ref = query if self_pairs else self.distance.maybe_normalize(ref_emb)
+        ref = query if ref_emb is embeddings else self.distance.maybe_normalize(ref_emb)
         self.distance.set_default_stats(embeddings, ref_emb, query, ref)
+        ids, ref_ids, left_out = call
         per_anchor = anchor_loss(
             query,
-            labels,
-            None if self_pairs else ref,
-            None if self_pairs else ref_labels,
+            ids,
+            None if ref_ids is None else ref,
+            ref_ids,
             float(self.m),
             float(self.gamma),
-            None if bank is None else bank.copies,
+            left_out,
         )
         return {
             "loss": {
@@ -83,21 +124,36 @@ class CircleLoss(_pml_losses.CircleLoss):
             }
         }
 
-    def _fused(self, embeddings, labels, indices_tuple, ref_emb, ref_labels, bank=None) -> bool:
-        """Whether the op computes exactly what PML's code would."""
+    def _fused_call(self, embeddings, labels, indices_tuple, ref_emb, ref_labels, bank=None):
+        """The op's (labels, ref_labels, ref_self_index) that compute exactly
+        what PML's code would, or None where only PML's code does."""
         if indices_tuple is not None or labels is None:
-            return False
+            return None
         if type(self.distance) not in (CosineSimilarity, DotProductSimilarity) or self.distance.power != 1:
-            return False
-        if ref_labels is labels and ref_emb is not embeddings:
-            return False  # PML's diagonal removal between two different sets
+            return None
+        # PML compares labels with themselves, leaving out the pairs (i, i),
+        # where ref_labels is labels (its default) or was not given; then
+        # against ref_emb's first B rows, which the op takes when there are
+        # B (with other counts PML's code gives its own result or error).
+        labels_twice = ref_labels is None or ref_labels is labels
+        self_pairs = labels_twice and ref_emb is embeddings
+        if labels_twice and not self_pairs and ref_emb.shape[0] != embeddings.shape[0]:
+            return None
         # PML returns an already-reduced zero when there are at most one
         # positive and one negative pair: at most two pairs in all. A pair
-        # is left out per row without a reference set, and per query's copy
-        # in a bank.
-        left_out = ref_labels is labels or (bank is not None and bank.copies is not None)
-        pairs = embeddings.shape[0] * ref_emb.shape[0] - (embeddings.shape[0] if left_out else 0)
-        return pairs > 2
+        # is left out per row where labels meet themselves, and per query's
+        # copy in a bank.
+        left_out = labels_twice or (bank is not None and bank.copies is not None)
+        if embeddings.shape[0] * ref_emb.shape[0] - (embeddings.shape[0] if left_out else 0) <= 2:
+            return None
+        ids = _class_ids(labels, None if labels_twice else ref_labels)
+        if ids is None:
+            return None
+        if self_pairs:
+            return ids[0], None, None
+        if labels_twice:
+            return ids[0], ids[0], torch.arange(embeddings.shape[0], device=embeddings.device)
+        return ids[0], ids[1], None if bank is None else bank.copies
 
 
 class CrossBatchMemory(_pml_losses.CrossBatchMemory):
