@@ -8,6 +8,7 @@
 #include "circle_loss.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/FuncTorchTLS.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/sum.h>
 #include <torch/autograd.h>
@@ -43,6 +44,28 @@ std::tuple<at::Tensor, at::Tensor> loss_with_grad_below_autograd(
                            const at::Tensor&, const at::Tensor&, double, double)>();
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return op.call(features, labels, margin, gamma);
+}
+
+// torch.func's transforms cannot run a C++ autograd Function (PyTorch raises
+// a generic error that names neither the op nor a way out). The package's
+// Python functions and modules take Python autograd Functions of the same
+// ops there (python/circle_loss/_func.py); the op called directly says so.
+void check_no_func_transform(const char* op, const char* wrapper) {
+  // The test torch::autograd::Function::apply makes, asked first so that the
+  // error can name the op.
+  bool supported = true;
+  if (const auto& functorch = at::functorch::functorchTLSAccessor()) {
+    try {
+      functorch->checkSupportsCppAutogradFunction();
+    } catch (const c10::Error&) {
+      supported = false;
+    }
+  }
+  TORCH_CHECK(
+      supported,
+      op, ": torch.func's reverse mode (grad, vjp, jacrev, and vmap over them) cannot run this op's C++ autograd "
+      "kernel. Call ", wrapper, " (or the package's modules), which runs under torch.func, or take the gradient "
+      "with backward() or torch.autograd.grad.");
 }
 
 class CircleLossFunction : public torch::autograd::Function<CircleLossFunction> {
@@ -91,6 +114,7 @@ at::Tensor loss_autograd(
   at::Tensor loss;
   at::Tensor grad;
   if (at::GradMode::is_enabled() && features.requires_grad()) {
+    check_no_func_transform("circle::loss", "circle_loss.circle_loss");
     // The autograd Function sees the primal alone (it keeps the backward
     // graph); the tangent is handled below.
     loss = CircleLossFunction::apply(
@@ -268,9 +292,13 @@ at::Tensor anchor_loss_autograd(
   const bool grad_mode = at::GradMode::is_enabled();
   at::Tensor losses;
   at::Tensor row_grads;
-  if (grad_mode && has_ref && features.requires_grad() && !ref_features->requires_grad()) {
+  const bool wants_grad = grad_mode && (features.requires_grad() || (has_ref && ref_features->requires_grad()));
+  if (wants_grad) {
+    check_no_func_transform("circle::anchor_loss", "circle_loss.anchor_loss");
+  }
+  if (wants_grad && has_ref && features.requires_grad() && !ref_features->requires_grad()) {
     losses = AnchorLossRowGradsFunction::apply(primal, labels, *ref_features, *ref_labels, margin, gamma, ref_self_index);
-  } else if (grad_mode && (features.requires_grad() || (has_ref && ref_features->requires_grad()))) {
+  } else if (wants_grad) {
     losses = AnchorLossFunction::apply(primal, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
   } else if (tangent.defined()) {
     std::tie(losses, row_grads) = anchor_loss_with_row_grads_below_autograd(

@@ -145,3 +145,78 @@ def test_kernels_record_no_autograd_history(device):
                                                               0.4, 80.0, None, True, tiles if keep and ref is None else None)
         outputs += torch.ops.circle._anchor_loss_with_row_grads(q, labels, r, ref_labels, 0.4, 80.0)
     assert not any(out.requires_grad for out in outputs)
+
+
+# torch.func's reverse mode: the package's functions and modules run it (the
+# ops' C++ autograd kernels cannot), with the gradients backward() gives.
+def _func_cases(features, labels, ref, ref_labels):
+    return {
+        "circle_loss": lambda f: circle_loss.circle_loss(f, labels, 0.25, 64.0),
+        "CircleLoss": lambda f: circle_loss.CircleLoss(0.25, 64.0)(f, labels),
+        "anchor_loss": lambda f: circle_loss.anchor_loss(f, labels).sum(),
+        "anchor_loss_against_refs": lambda f: circle_loss.anchor_loss(f, labels, ref, ref_labels).sum(),
+        "anchor_loss_of_refs": lambda r: circle_loss.anchor_loss(features, labels, r, ref_labels).sum(),
+        "AnchorCircleLoss": lambda f: circle_loss.AnchorCircleLoss()(f, labels),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_torch_func_reverse_mode(device, dtype):
+    features, labels = make_inputs(70, 12, 4, device, dtype)
+    ref, ref_labels = make_inputs(50, 12, 4, device, dtype)
+    for name, fn in _func_cases(features, labels, ref, ref_labels).items():
+        x = (ref if name == "anchor_loss_of_refs" else features).clone()
+        leaf = x.clone().requires_grad_()
+        fn(leaf).backward()
+        expected = leaf.grad
+        assert torch.equal(torch.func.grad(fn)(x), expected), name
+        value, pullback = torch.func.vjp(fn, x)
+        assert torch.equal(value, fn(x)) and torch.equal(pullback(torch.ones_like(value))[0], expected), name
+        assert torch.equal(torch.func.jacrev(fn)(x), expected), name
+        batched = torch.func.vmap(torch.func.grad(fn))(torch.stack([x, x.flip(1)]))
+        assert torch.equal(batched[0], expected), name
+        flipped = x.flip(1).clone().requires_grad_()
+        fn(flipped).backward()
+        assert torch.equal(batched[1], flipped.grad), name
+
+
+def test_torch_func_jacrev_of_the_rows(device):
+    # Each row's loss against every feature: the Jacobian (B, B, D), row i's
+    # gradient in its own slice, as backward gives it one row at a time.
+    features, labels = make_inputs(20, 6, 3, device, torch.float64)
+    jacobian = torch.func.jacrev(lambda f: circle_loss.anchor_loss(f, labels))(features)
+    for i in (0, 7, 19):
+        leaf = features.clone().requires_grad_()
+        circle_loss.anchor_loss(leaf, labels)[i].backward()
+        assert torch.allclose(jacobian[i], leaf.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_torch_func_second_derivatives_are_refused(device):
+    features, labels = make_inputs(30, 6, 3, device, torch.float64)
+    one = torch.ones((), dtype=torch.float64, device=device)
+    for name, fn in _func_cases(features, labels, features.flip(0), labels.flip(0)).items():
+        op = "circle::loss" if "ircle" in name and "Anchor" not in name else "circle::anchor_loss"
+        twice = [
+            lambda: torch.func.grad(lambda f: torch.func.grad(fn)(f).sum())(features),
+            lambda: torch.func.vjp(lambda f: torch.func.vjp(fn, f)[1](one)[0].sum(), features)[1](one),
+            lambda: torch.func.grad(lambda f: torch.func.vmap(torch.func.grad(fn))(torch.stack([f, f])).sum())(features),
+        ]
+        for call in twice:
+            with pytest.raises(RuntimeError, match=f"{op} does not support double backward"):
+                call()
+
+
+def test_torch_func_on_the_raw_ops_names_the_way_out(device):
+    features, labels = make_inputs(10, 4, 2, device)
+    for op, fn in (("circle::loss", lambda f: torch.ops.circle.loss(f, labels)),
+                   ("circle::anchor_loss", lambda f: torch.ops.circle.anchor_loss(f, labels).sum())):
+        with pytest.raises(RuntimeError, match=f"{op}: torch.func's reverse mode .* Call circle_loss"):
+            torch.func.grad(fn)(features)
+
+
+def test_torch_func_forward_over_reverse_is_refused(device):
+    features, labels = make_inputs(12, 4, 2, device, torch.float64)
+    for op, fn in (("circle::loss", lambda f: circle_loss.circle_loss(f, labels)),
+                   ("circle::anchor_loss", lambda f: circle_loss.anchor_loss(f, labels).sum())):
+        with pytest.raises(RuntimeError, match=f"{op}: forward-mode AD .* of a reverse-mode torch.func transform"):
+            torch.func.hessian(fn)(features)

@@ -13,9 +13,18 @@ from __future__ import annotations
 
 import torch
 
+from . import _func
 from ._library import library_path, load
 
 load()
+
+
+@torch.jit.unused
+def _under_func_transform(tensor):
+    # type: (Tensor) -> bool
+    # Never asked in TorchScript, which cannot run torch.func (and reads the
+    # signature from the type comment: the annotations here are strings).
+    return _func.wanted(tensor)
 
 
 def _schema_default(op, name: str) -> float:
@@ -51,8 +60,11 @@ def circle_loss(
     Returns:
         A 0-dim tensor of ``features.dtype``: softplus(LSE_N(zn) + LSE_P(zp))
         over every ordered pair (i, j), the diagonal counted as positive.
-        Differentiable with respect to ``features`` (once).
+        Differentiable with respect to ``features`` (once), also under
+        torch.func (grad, vjp, jacrev, vmap over them).
     """
+    if _func.wanted(features):
+        return _func.loss(features, labels, margin, gamma)
     return torch.ops.circle.loss(features, labels, margin, gamma)
 
 
@@ -71,6 +83,9 @@ class CircleLoss(torch.nn.Module):
         self.gamma = float(gamma)
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(B, D) features and (B,) labels -> the 0-dim loss (see :func:`circle_loss`)."""
+        if not torch.jit.is_scripting() and _under_func_transform(features):
+            return _func.loss(features, labels, self.margin, self.gamma)
         return torch.ops.circle.loss(features, labels, self.margin, self.gamma)
 
     def extra_repr(self) -> str:
@@ -109,8 +124,11 @@ def anchor_loss(
         (B,) losses of ``features.dtype``: L_i = softplus(LSE_P(i) + LSE_N(i)),
         0 for a row with no positive or no negative pair. Differentiable (once)
         with respect to ``features`` and ``ref_features``. Average the rows as
-        you like; pytorch-metric-learning averages those above zero.
+        you like; pytorch-metric-learning averages those above zero. Also
+        differentiable under torch.func (grad, vjp, jacrev, vmap over them).
     """
+    if _func.wanted(features) or _func.wanted(ref_features):
+        return _func.anchor_loss(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index)
     return torch.ops.circle.anchor_loss(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index)
 
 
@@ -132,9 +150,17 @@ class AnchorCircleLoss(torch.nn.Module):
         ref_labels: torch.Tensor | None = None,
         ref_self_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        losses = torch.ops.circle.anchor_loss(
-            features, labels, ref_features, ref_labels, self.margin, self.gamma, ref_self_index
-        )
+        """Features (B, D), labels (B,), optionally a reference set, as for
+        :func:`anchor_loss` -> the mean of the nonzero rows' losses."""
+        if not torch.jit.is_scripting() and (
+            _under_func_transform(features) or (ref_features is not None and _under_func_transform(ref_features))
+        ):
+            losses = _func.anchor_loss(features, labels, ref_features, ref_labels, self.margin, self.gamma,
+                                       ref_self_index)
+        else:
+            losses = torch.ops.circle.anchor_loss(
+                features, labels, ref_features, ref_labels, self.margin, self.gamma, ref_self_index
+            )
         # Without a host synchronisation: the count is a tensor, clamped so
         # that no nonzero row gives 0 / 0.
         nonzero = (losses > 0).sum().clamp_min(1)
