@@ -323,6 +323,92 @@ at::Tensor anchor_loss_autograd(
   return losses;
 }
 
+std::tuple<at::Tensor, at::Tensor> class_loss_forward_below_autograd(
+    const at::Tensor& features,
+    const at::Tensor& labels,
+    const at::Tensor& weight,
+    double margin,
+    double gamma) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("circle::_class_loss_forward", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(features, labels, weight, margin, gamma);
+}
+
+// circle::class_loss: the forward keeps each row's (zp, LSE_N), (B, 2), and
+// the backward forms the tiles of S again with the incoming gradient, for
+// features, weight or both, as their edges ask.
+class ClassLossFunction : public torch::autograd::Function<ClassLossFunction> {
+ public:
+  static constexpr bool is_traceable = true;
+
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& features, // (B, D)
+      const at::Tensor& labels, // (B,)
+      const at::Tensor& weight, // (C, D)
+      double margin,
+      double gamma) {
+    auto [losses, row_lse] = class_loss_forward_below_autograd(features, labels, weight, margin, gamma);
+    ctx->save_for_backward({features, labels, weight, row_lse});
+    ctx->saved_data["margin"] = margin;
+    ctx->saved_data["gamma"] = gamma;
+    return losses;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    TORCH_CHECK(
+        !at::GradMode::is_enabled(),
+        "circle::class_loss does not support double backward: its backward is a kernel of its own, "
+        "not differentiable again. Call backward or torch.autograd.grad without create_graph=True.");
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("circle::_class_loss_backward", "")
+                         .typed<std::tuple<at::Tensor, at::Tensor>(
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, double, double, bool, bool)>();
+    const auto saved = ctx->get_saved_variables();
+    const bool features_grad = ctx->needs_input_grad(0);
+    const bool weight_grad = ctx->needs_input_grad(2);
+    auto [grad_features, grad_weight] = op.call(
+        grad_outputs[0], saved[0], saved[1], saved[2], saved[3], ctx->saved_data["margin"].toDouble(),
+        ctx->saved_data["gamma"].toDouble(), features_grad, weight_grad);
+    return {features_grad ? grad_features : at::Tensor(), at::Tensor(), weight_grad ? grad_weight : at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor class_loss_autograd(
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const at::Tensor& weight, // (C, D)
+    double margin,
+    double gamma) {
+  check_class_inputs(features, labels, weight, margin, gamma);
+  TORCH_CHECK(
+      !features._fw_grad(/*level=*/0).defined() && !weight._fw_grad(/*level=*/0).defined(),
+      "circle::class_loss does not support forward-mode AD (torch.func.jvp, jacfwd, dual tensors): its kernels "
+      "form no directional derivative. Use reverse mode (backward, torch.autograd.grad, or torch.func's grad, vjp "
+      "or jacrev through circle_loss.class_loss).");
+  if (at::GradMode::is_enabled() && (features.requires_grad() || weight.requires_grad())) {
+    check_no_func_transform("circle::class_loss", "circle_loss.class_loss");
+    return ClassLossFunction::apply(features, labels, weight, margin, gamma);
+  }
+  return std::get<0>(class_loss_forward_below_autograd(features, labels, weight, margin, gamma));
+}
+
+// The losses alone: the forward's first output, one kernel for every
+// backend (CPU, CUDA, Meta).
+at::Tensor class_loss_composite(
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const at::Tensor& weight, // (C, D)
+    double margin,
+    double gamma) {
+  return std::get<0>(class_loss_forward_below_autograd(features, labels, weight, margin, gamma));
+}
+
 at::Tensor loss_backward(
     const at::Tensor& grad_loss, // ()
     const at::Tensor& grad_features) { // (B, D)
@@ -334,12 +420,14 @@ at::Tensor loss_backward(
 TORCH_LIBRARY_IMPL(circle, Autograd, m) {
   m.impl("loss", &loss_autograd);
   m.impl("anchor_loss", &anchor_loss_autograd);
+  m.impl("class_loss", &class_loss_autograd);
 }
 
 // Plain ATen arithmetic: one kernel serves every backend, Meta included; CUDA
 // has a vectorized one of its own (circle_loss_cuda.cu).
 TORCH_LIBRARY_IMPL(circle, CompositeExplicitAutograd, m) {
   m.impl("_loss_backward", &loss_backward);
+  m.impl("class_loss", &class_loss_composite);
 }
 
 } // namespace circle_loss

@@ -152,11 +152,34 @@ void check_anchor_inputs(
   check_margin_and_gamma(op, margin, gamma, features.scalar_type());
 }
 
-void check_anchor_backward_inputs(
+void check_class_inputs(
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const at::Tensor& weight, // (C, D)
+    double margin,
+    double gamma) {
+  constexpr const char* op = "circle::class_loss";
+  check_rows(op, "features", "labels", "B", features, labels);
+  TORCH_CHECK(weight.defined(), op, ": weight must be a tensor of shape (C, D), got None");
+  TORCH_CHECK(
+      weight.dim() == 2, op, ": weight must be a 2-D tensor of shape (C, D), got ", weight.dim(), " dimension(s)");
+  TORCH_SYM_CHECK(
+      weight.sym_size(1).sym_eq(features.sym_size(1)),
+      op, ": weight must have the width D of features, got ", weight.sym_size(1), " and ", features.sym_size(1));
+  TORCH_CHECK(
+      weight.scalar_type() == features.scalar_type(),
+      op, ": weight must have the dtype of features, got ", weight.scalar_type(), " and ", features.scalar_type());
+  TORCH_CHECK(
+      weight.device() == features.device(),
+      op, ": weight must be on the device of features, got ", weight.device(), " and ", features.device());
+  check_margin_and_gamma(op, margin, gamma, features.scalar_type());
+}
+
+void check_row_lse_backward_inputs(
+    const char* op,
     const at::Tensor& grad_losses, // (B,)
     const at::Tensor& features, // (B, D)
     const at::Tensor& row_lse) { // (B, 2)
-  constexpr const char* op = "circle::_anchor_loss_backward";
   TORCH_CHECK(grad_losses.defined() && row_lse.defined(), op, ": grad_losses and row_lse must be tensors");
   TORCH_SYM_CHECK(
       grad_losses.dim() == 1 ? grad_losses.sym_size(0).sym_eq(features.sym_size(0)) : c10::SymBool(false),

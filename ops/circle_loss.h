@@ -56,6 +56,12 @@ void check_anchor_inputs(
     double gamma,
     const std::optional<at::Tensor>& ref_self_index);
 
+// The contract of circle::class_loss: features and labels as check_inputs
+// requires, weight (C, D) with features' width, dtype and device.
+//   features: (B, D), labels: (B,), weight: (C, D)
+void check_class_inputs(const at::Tensor& features, const at::Tensor& labels, const at::Tensor& weight, double margin,
+                        double gamma);
+
 // Whether an optional tensor argument was given: None arrives as nullopt or,
 // through some callers, as an undefined tensor.
 inline bool is_given(const std::optional<at::Tensor>& tensor) {
@@ -68,9 +74,11 @@ inline at::Tensor left_out_columns(const std::optional<at::Tensor>& ref_self_ind
   return is_given(ref_self_index) ? ref_self_index->to(at::kLong).contiguous() : at::Tensor();
 }
 
-// row_lse: (B, 2) in features' accumulation dtype, as _anchor_loss_forward
-// returns it; grad_losses: (B,) on features' device.
-void check_anchor_backward_inputs(
+// The backward's inputs of the per-row forms (`op` names the backward op):
+// row_lse (B, 2) in features' accumulation dtype, as their forward returns
+// it; grad_losses (B,); both on features' device.
+void check_row_lse_backward_inputs(
+    const char* op,
     const at::Tensor& grad_losses,
     const at::Tensor& features,
     const at::Tensor& row_lse);

@@ -102,7 +102,7 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_meta(
     bool ref_grad,
     const std::optional<at::Tensor>& diagonal_tiles) { // (B, kCpuTile)?
   check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
-  check_anchor_backward_inputs(grad_losses, features, row_lse);
+  check_row_lse_backward_inputs("circle::_anchor_loss_backward", grad_losses, features, row_lse);
   const bool has_ref = is_given(ref_features);
   check_anchor_diagonal_tiles(diagonal_tiles, features, has_ref);
   return {
@@ -125,9 +125,44 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_meta(
       at::empty_symint(features.sym_sizes(), features.options().dtype(at::toOpMathType(features.scalar_type())))};
 }
 
+std::tuple<at::Tensor, at::Tensor> class_loss_forward_meta(
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const at::Tensor& weight, // (C, D)
+    double margin,
+    double gamma) {
+  check_class_inputs(features, labels, weight, margin, gamma);
+  const c10::SymInt batch = features.sym_size(0);
+  return {
+      at::empty_symint({batch}, features.options()),
+      at::empty_symint({batch, 2}, features.options().dtype(at::toOpMathType(features.scalar_type())))};
+}
+
+std::tuple<at::Tensor, at::Tensor> class_loss_backward_meta(
+    const at::Tensor& grad_losses, // (B,)
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const at::Tensor& weight, // (C, D)
+    const at::Tensor& row_lse, // (B, 2)
+    double margin,
+    double gamma,
+    bool features_grad,
+    bool weight_grad) {
+  check_class_inputs(features, labels, weight, margin, gamma);
+  check_row_lse_backward_inputs("circle::_class_loss_backward", grad_losses, features, row_lse);
+  const c10::SymInt dim = features.sym_size(1);
+  return {
+      features_grad ? at::empty_symint(features.sym_sizes(), features.options())
+                    : at::empty_symint({0, dim}, features.options()),
+      weight_grad ? at::empty_symint(weight.sym_sizes(), features.options())
+                  : at::empty_symint({0, dim}, features.options())};
+}
+
 } // namespace
 
 TORCH_LIBRARY_IMPL(circle, Meta, m) {
+  m.impl("_class_loss_forward", &class_loss_forward_meta);
+  m.impl("_class_loss_backward", &class_loss_backward_meta);
   m.impl("anchor_loss", &anchor_loss_meta);
   m.impl("_anchor_loss_forward", &anchor_loss_forward_meta);
   m.impl("_anchor_loss_backward", &anchor_loss_backward_meta);

@@ -46,6 +46,26 @@ TORCH_LIBRARY(circle, m) {
   m.def(
       "_anchor_loss_with_row_grads(Tensor features, Tensor labels, Tensor ref_features, Tensor ref_labels, float margin, float gamma, Tensor? ref_self_index=None) -> (Tensor, Tensor)");
 
+  // The class-level form (the paper's classification head): each row of
+  // features against the C rows of weight (class proxies), the column
+  // labels[i] its one positive, every other column a negative
+  // (docs/math.md). A label outside [0, C) leaves the row without a positive
+  // and its loss 0. Kernels: CPU, CUDA and Meta through _class_loss_forward;
+  // the Autograd kernel routes through it and _class_loss_backward.
+  m.def(
+      "class_loss(Tensor features, Tensor labels, Tensor weight, float margin=0.25, float gamma=256.0) -> Tensor");
+  // -> (losses (B,), row_lse (B, 2)): row i's (zp_i, LSE_N(i)) in the
+  // accumulation dtype, -inf where the row has no positive or no negative,
+  // the layout of _anchor_loss_forward's row_lse (a single positive's LSE is
+  // its logit).
+  m.def(
+      "_class_loss_forward(Tensor features, Tensor labels, Tensor weight, float margin, float gamma) -> (Tensor, Tensor)");
+  // -> (grad_features (B, D) if features_grad else (0, D), grad_weight
+  // (C, D) if weight_grad else (0, D)), for the incoming gradient
+  // grad_losses (B,).
+  m.def(
+      "_class_loss_backward(Tensor grad_losses, Tensor features, Tensor labels, Tensor weight, Tensor row_lse, float margin, float gamma, bool features_grad, bool weight_grad) -> (Tensor, Tensor)");
+
   // Pieces of the loss over the pairs of two row blocks, for computing it
   // sharded (circle_loss.distributed). Partials are float64 rows
   // (max_P, Σ exp(z - max_P), max_N, Σ exp(z - max_N)) that combine exactly.

@@ -114,17 +114,6 @@ struct PairTile {
   }
 };
 
-// The argument of exp(z - m), m the max of z's set, that gives 0 for z = -inf
-// and, as max_ratio, exp(0) for a logit equal to its set's max, +inf too.
-template <typename T>
-inline T shifted_argument(T z, T m) {
-  // Two selects in a row, which the compiler keeps as vector blends (a
-  // nested conditional becomes control flow and a scalar loop).
-  T d = z == m ? T(0) : z - m;
-  d = z == -std::numeric_limits<T>::infinity() ? z : d;
-  return d;
-}
-
 // The shift R of a set's sums in a tile: the largest finite maximum of its
 // rows (the columns' share it), and whether every finite row and column
 // maximum lies within kSharedShiftSpan of it. An inf logit does not fit.
@@ -456,44 +445,6 @@ RowStates row_states_symmetric(
   return by_row;
 }
 
-// Against a reference set the tiles are Q's row blocks × R's column blocks.
-// A few row blocks against many references (a memory bank of M ≫ B) would
-// leave most threads idle if a task took a row block, so the column blocks
-// are split into shares, each with accumulators of its own that are then
-// merged share by share. The split depends on the shapes alone, so results
-// stay the same for any thread count.
-constexpr int64_t kGroupedTasks = 16;
-// The gradient's shares hold a (B, D) sum each: no more than this many rows
-// of them in all.
-constexpr int64_t kGroupedRows = 16 * kTile;
-
-struct ColumnGroups {
-  int64_t row_blocks;
-  int64_t col_blocks;
-  int64_t groups;
-
-  // Column blocks [first(g), first(g + 1)) are share g's.
-  int64_t first(int64_t g) const { return col_blocks * g / groups; }
-
-  // The row states: a task a (row block, share), kGroupedTasks of them.
-  static ColumnGroups for_states(int64_t rows, int64_t cols) {
-    const int64_t row_blocks = at::divup(rows, kTile);
-    return make(row_blocks, at::divup(cols, kTile), at::divup(kGroupedTasks, std::max<int64_t>(row_blocks, 1)));
-  }
-
-  // The gradient: a task a share, walking every row block, so that each tile
-  // of W serves dQ and dR; worth it where the shares outnumber the row blocks.
-  static ColumnGroups for_gradient(int64_t rows, int64_t cols) {
-    const int64_t wanted = std::min(kGroupedTasks, kGroupedRows / std::max<int64_t>(rows, 1));
-    return make(at::divup(rows, kTile), at::divup(cols, kTile), wanted);
-  }
-
- private:
-  static ColumnGroups make(int64_t row_blocks, int64_t col_blocks, int64_t wanted) {
-    return {row_blocks, col_blocks, std::clamp<int64_t>(wanted, 1, std::max<int64_t>(col_blocks, 1))};
-  }
-};
-
 template <typename T>
 RowStates row_states_against(
     const at::Tensor& q,
@@ -738,7 +689,7 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cpu(
     bool ref_grad,
     const std::optional<at::Tensor>& diagonal_tiles) { // (B, kTile)?
   check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
-  check_anchor_backward_inputs(grad_losses, features, row_lse);
+  check_row_lse_backward_inputs("circle::_anchor_loss_backward", grad_losses, features, row_lse);
   check_anchor_diagonal_tiles(diagonal_tiles, features, is_given(ref_features));
   const NoAutocast no_autocast;
   const AnchorInputs in = prepare_anchor_inputs(features, labels, ref_features, ref_labels, ref_self_index);

@@ -15,7 +15,9 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 
+#include <algorithm>
 #include <array>
+#include <limits>
 #include <atomic>
 #include <memory>
 #include <thread>
@@ -227,6 +229,55 @@ template <typename T>
 inline T tile_max(T a, T b) {
   return a < b ? b : a;
 }
+
+// The argument of exp(z - m), m the max of z's set, that gives 0 for z = -inf
+// and, as max_ratio, exp(0) for a logit equal to its set's max, +inf too.
+template <typename T>
+inline T shifted_argument(T z, T m) {
+  // Two selects in a row, which the compiler keeps as vector blends (a
+  // nested conditional becomes control flow and a scalar loop).
+  T d = z == m ? T(0) : z - m;
+  d = z == -std::numeric_limits<T>::infinity() ? z : d;
+  return d;
+}
+
+// Against a reference set (or class weights) the tiles are Q's row blocks ×
+// R's column blocks. A few row blocks against many references (a memory bank
+// of M ≫ B, 10^5 classes) would leave most threads idle if a task took a row
+// block, so the column blocks are split into shares, each with accumulators
+// of its own that are then merged share by share. The split depends on the shapes alone, so results
+// stay the same for any thread count.
+constexpr int64_t kGroupedTasks = 16;
+// The gradient's shares hold a (B, D) sum each: no more than this many rows
+// of them in all.
+constexpr int64_t kGroupedRows = 16 * kTile;
+
+struct ColumnGroups {
+  int64_t row_blocks;
+  int64_t col_blocks;
+  int64_t groups;
+
+  // Column blocks [first(g), first(g + 1)) are share g's.
+  int64_t first(int64_t g) const { return col_blocks * g / groups; }
+
+  // The row states: a task a (row block, share), kGroupedTasks of them.
+  static ColumnGroups for_states(int64_t rows, int64_t cols) {
+    const int64_t row_blocks = at::divup(rows, kTile);
+    return make(row_blocks, at::divup(cols, kTile), at::divup(kGroupedTasks, std::max<int64_t>(row_blocks, 1)));
+  }
+
+  // The gradient: a task a share, walking every row block, so that each tile
+  // of W serves dQ and dR; worth it where the shares outnumber the row blocks.
+  static ColumnGroups for_gradient(int64_t rows, int64_t cols) {
+    const int64_t wanted = std::min(kGroupedTasks, kGroupedRows / std::max<int64_t>(rows, 1));
+    return make(at::divup(rows, kTile), at::divup(cols, kTile), wanted);
+  }
+
+ private:
+  static ColumnGroups make(int64_t row_blocks, int64_t col_blocks, int64_t wanted) {
+    return {row_blocks, col_blocks, std::clamp<int64_t>(wanted, 1, std::max<int64_t>(col_blocks, 1))};
+  }
+};
 
 template <typename T>
 inline PairLogit<T> pair_logit(double margin, double gamma) {

@@ -1243,7 +1243,7 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cuda(
     bool ref_grad,
     const std::optional<at::Tensor>& diagonal_tiles) { // (B, kCpuTile)?
   check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
-  check_anchor_backward_inputs(grad_losses, features, row_lse);
+  check_row_lse_backward_inputs("circle::_anchor_loss_backward", grad_losses, features, row_lse);
   const bool self = !is_given(ref_features);
   check_anchor_diagonal_tiles(diagonal_tiles, features, !self);
   TORCH_CHECK(!is_given(diagonal_tiles), "circle::_anchor_loss_backward: ", kNoDiagonalTiles);

@@ -170,12 +170,97 @@ class AnchorCircleLoss(torch.nn.Module):
         return f"margin={self.margin}, gamma={self.gamma}"
 
 
+# The class-level form's defaults are the paper's for face recognition (m = 0.25, gamma = 256).
+CLASS_DEFAULT_MARGIN: float = _schema_default(torch.ops.circle.class_loss, "margin")
+CLASS_DEFAULT_GAMMA: float = _schema_default(torch.ops.circle.class_loss, "gamma")
+
+
+def class_loss(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    margin: float = CLASS_DEFAULT_MARGIN,
+    gamma: float = CLASS_DEFAULT_GAMMA,
+) -> torch.Tensor:
+    """Class-level Circle Loss: each row against C class weights (proxies),
+    its own class the one positive (the paper's classification head, as
+    fast-reid's ``CircleSoftmax`` computes it, without the B×C logits).
+
+    Args:
+        features: (B, D) float32, float64, float16 or bfloat16 rows, used as
+            given (L2-normalise them first).
+        labels: (B,) integer class of each row, on the same device; a label
+            outside [0, C) leaves its row without a positive, and its loss 0.
+        weight: (C, D) class weights of the same dtype and device, used as
+            given (L2-normalise them first).
+        margin: the relaxation margin m.
+        gamma: the scale factor γ.
+
+    Returns:
+        (B,) losses of ``features.dtype``: L_i = softplus(zp_i + LSE_{j≠y_i} zn_ij).
+        Differentiable (once) with respect to ``features`` and ``weight``,
+        also under torch.func (grad, vjp, jacrev, vmap over them).
+    """
+    if _func.wanted(features) or _func.wanted(weight):
+        return _func.class_loss(features, labels, weight, margin, gamma)
+    return torch.ops.circle.class_loss(features, labels, weight, margin, gamma)
+
+
+class ClassCircleLoss(torch.nn.Module):
+    """The class-level Circle Loss head: an ``nn.Module`` holding the class
+    weights ``weight`` (num_classes, embedding_size) as a parameter.
+    ``forward(embeddings, labels)`` L2-normalises both and returns the mean
+    over rows of :func:`class_loss`. Scriptable, compilable, exportable.
+
+    Example::
+
+        head = ClassCircleLoss(num_classes=10_000, embedding_size=512)
+        loss = head(backbone(images), identities)  # optimise head.parameters() too
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        embedding_size: int,
+        margin: float = CLASS_DEFAULT_MARGIN,
+        gamma: float = CLASS_DEFAULT_GAMMA,
+    ) -> None:
+        super().__init__()
+        self.margin = float(margin)
+        self.gamma = float(gamma)
+        self.weight = torch.nn.Parameter(torch.empty(num_classes, embedding_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # As torch.nn.Linear (and fast-reid's CircleSoftmax) start their weights.
+        torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(B, D) embeddings and (B,) integer labels in [0, num_classes) ->
+        the 0-dim mean loss (0 for an empty batch)."""
+        features = torch.nn.functional.normalize(embeddings, dim=1)
+        weight = torch.nn.functional.normalize(self.weight, dim=1)
+        if not torch.jit.is_scripting() and (_under_func_transform(features) or _under_func_transform(weight)):
+            losses = _func.class_loss(features, labels, weight, self.margin, self.gamma)
+        else:
+            losses = torch.ops.circle.class_loss(features, labels, weight, self.margin, self.gamma)
+        return losses.sum() / max(losses.shape[0], 1)
+
+    def extra_repr(self) -> str:
+        return (f"num_classes={self.weight.shape[0]}, embedding_size={self.weight.shape[1]}, "
+                f"margin={self.margin}, gamma={self.gamma}")
+
+
 __all__ = [
     "ANCHOR_DEFAULT_GAMMA",
     "ANCHOR_DEFAULT_MARGIN",
     "AnchorCircleLoss",
     "anchor_loss",
     "CircleLoss",
+    "CLASS_DEFAULT_GAMMA",
+    "CLASS_DEFAULT_MARGIN",
+    "ClassCircleLoss",
+    "class_loss",
     "DEFAULT_GAMMA",
     "DEFAULT_MARGIN",
     "circle_loss",

@@ -124,9 +124,44 @@ class AnchorLoss(torch.autograd.Function):
         raise _mixed_modes_error("circle::anchor_loss")
 
 
+class ClassLoss(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(features, labels, weight, margin, gamma):
+        return torch.ops.circle._class_loss_forward(features, labels, weight, margin, gamma)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        features, labels, weight, margin, gamma = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(features, labels, weight, output[1])
+        ctx.margin, ctx.gamma = margin, gamma
+
+    @staticmethod
+    def backward(ctx, grad_losses, _):
+        features, labels, weight, row_lse = ctx.saved_tensors
+        features_grad, weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        grad_features, grad_weight = torch.ops.circle._class_loss_backward(
+            grad_losses.detach(), features.detach(), labels, weight.detach(), row_lse, ctx.margin, ctx.gamma,
+            features_grad, weight_grad,
+        )
+        op = "circle::class_loss"
+        return (_first_derivative_only(grad_features, features, op) if features_grad else None, None,
+                _first_derivative_only(grad_weight, weight, op) if weight_grad else None, None, None)
+
+    @staticmethod
+    def jvp(ctx, *_):
+        raise _mixed_modes_error("circle::class_loss")
+
+
 def loss(features, labels, margin: float, gamma: float) -> torch.Tensor:
     return Loss.apply(features, labels, margin, gamma)[0]
 
 
 def anchor_loss(features, labels, ref_features, ref_labels, margin: float, gamma: float, ref_self_index):
     return AnchorLoss.apply(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index)[0]
+
+
+def class_loss(features, labels, weight, margin: float, gamma: float) -> torch.Tensor:
+    return ClassLoss.apply(features, labels, weight, margin, gamma)[0]

@@ -30,10 +30,12 @@ from __future__ import annotations
 import torch
 from pytorch_metric_learning import losses as _pml_losses
 from pytorch_metric_learning.distances import CosineSimilarity, DotProductSimilarity
+from pytorch_metric_learning.losses.base_metric_loss_function import BaseMetricLossFunction
+from pytorch_metric_learning.losses.mixins import WeightRegularizerMixin
 from pytorch_metric_learning.utils import common_functions as c_f
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
-from . import anchor_loss  # importing the package registers the ops
+from . import CLASS_DEFAULT_GAMMA, CLASS_DEFAULT_MARGIN, anchor_loss, class_loss  # registers the ops
 
 
 class _BankPairs:
@@ -175,4 +177,60 @@ class CrossBatchMemory(_pml_losses.CrossBatchMemory):
         return _BankPairs(copies, self.memory_size)
 
 
-__all__ = ["CircleLoss", "CrossBatchMemory"]
+class ClassCircleLoss(WeightRegularizerMixin, BaseMetricLossFunction):
+    """The class-level Circle Loss as a pytorch-metric-learning
+    classification loss, shaped like its ``ArcFaceLoss`` and ``CosFaceLoss``:
+    ``ClassCircleLoss(num_classes, embedding_size, m=0.25, gamma=256,
+    weight_regularizer=None, weight_reg_weight=1, weight_init_func=None,
+    reducer=None, distance=None, embedding_regularizer=None)``, the class
+    weights in ``W`` (embedding_size, num_classes) as PML keeps them (its
+    default init, normal), optimised with the model. ``forward(embeddings,
+    labels, indices_tuple=None)``: each row's loss against every class
+    (``circle_loss.class_loss`` on the cosine-normalised rows and classes,
+    no B×C logits), weighted by a miner's tuple as PML weights its
+    classification losses, reduced by the reducer (mean by default); no
+    ``ref_emb``, as for PML's other classification losses."""
+
+    def __init__(self, num_classes, embedding_size, m=CLASS_DEFAULT_MARGIN, gamma=CLASS_DEFAULT_GAMMA, **kwargs):
+        super().__init__(**kwargs)
+        c_f.assert_distance_type(self, CosineSimilarity)
+        self.num_classes = num_classes
+        self.m = m
+        self.gamma = gamma
+        self.add_to_recordable_attributes(list_of_names=["num_classes", "m", "gamma"], is_stat=False)
+        self.W = torch.nn.Parameter(torch.Tensor(embedding_size, num_classes))
+        self.weight_init_func(self.W)
+
+    def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
+        c_f.labels_required(labels)
+        c_f.ref_not_supported(embeddings, labels, ref_emb, ref_labels)
+        self.W.data = c_f.to_device(self.W.data, device=embeddings.device, dtype=embeddings.dtype)
+        miner_weights = lmu.convert_to_weights(indices_tuple, labels, dtype=embeddings.dtype)
+        classes = self.W.t()  # (num_classes, embedding_size)
+        losses = class_loss(
+            self.distance.maybe_normalize(embeddings),
+            labels,
+            self.distance.maybe_normalize(classes),
+            float(self.m),
+            float(self.gamma),
+        )
+        loss_dict = {
+            "loss": {
+                "losses": losses * miner_weights,
+                "indices": c_f.torch_arange_from_size(embeddings),
+                "reduction_type": "element",
+            }
+        }
+        self.add_weight_regularization_to_loss_dict(loss_dict, classes)
+        return loss_dict
+
+    def get_logits(self, embeddings):
+        """The (B, num_classes) cosine similarities times gamma, for
+        inference (a B×C matrix, as asked for)."""
+        return self.distance(embeddings, self.W.t()) * self.gamma
+
+    def get_default_distance(self):
+        return CosineSimilarity()
+
+
+__all__ = ["CircleLoss", "ClassCircleLoss", "CrossBatchMemory"]
