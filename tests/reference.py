@@ -144,3 +144,37 @@ def anchor_reference_and_grads(features, labels, ref_features=None, ref_labels=N
     w = torch.ones_like(losses) if weights is None else weights.to(dtype)
     grads = torch.autograd.grad((losses * w).sum(), [q] if r is None else [q, r])
     return losses.detach(), grads[0], (None if r is None else grads[1])
+
+
+def class_loss_reference(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    margin: float = 0.25,
+    gamma: float = 256.0,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """The class-level Circle Loss (docs/math.md), (B,) in `dtype`, the alphas
+    detached: row i against every class, labels[i] its one positive (none
+    for a label outside [0, C)). Materialises B×C: tests only."""
+    s = features.to(dtype) @ weight.to(dtype).T
+    positive = labels[:, None] == torch.arange(weight.shape[0], device=s.device)[None, :]
+    neg_inf = torch.tensor(-torch.inf, dtype=dtype, device=s.device)
+    zp = -gamma * torch.clamp_min(1 + margin - s.detach(), 0) * (s - (1 - margin))
+    zn = gamma * torch.clamp_min(s.detach() + margin, 0) * (s - margin)
+    lse_p = torch.logsumexp(torch.where(positive, zp, neg_inf), dim=1)
+    lse_n = torch.logsumexp(torch.where(positive, neg_inf, zn), dim=1)
+    rows = positive.any(1) & (~positive).any(1)
+    z = torch.where(rows, lse_p + lse_n, torch.zeros_like(lse_p))
+    return torch.where(rows, F.softplus(z, threshold=40.0), torch.zeros_like(z))
+
+
+def class_reference_and_grads(features, labels, weight, margin=0.25, gamma=256.0, weights=None, dtype=torch.float64):
+    """The reference losses (B,) and the gradients of Σ_i weights_i · L_i with
+    respect to features and weight."""
+    f = features.detach().to(dtype).requires_grad_()
+    w = weight.detach().to(dtype).requires_grad_()
+    losses = class_loss_reference(f, labels, w, margin, gamma, dtype)
+    g = torch.ones_like(losses) if weights is None else weights.to(dtype)
+    grad_f, grad_w = torch.autograd.grad((losses * g).sum(), [f, w]) if len(losses) else (f * 0, w * 0)
+    return losses.detach(), grad_f, grad_w

@@ -1,0 +1,351 @@
+"""circle::class_loss, the class-level form (docs/math.md): against the float64
+reference written from the math, against fast-reid's CircleSoftmax arithmetic
+and against anchor_loss with the class weights; as a custom operator (opcheck,
+TorchScript, compile, export); the modules; memory that never holds B × C."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import circle_loss
+from conftest import make_inputs
+from reference import (
+    FLOAT32_YARDSTICK_FACTOR,
+    TOLERANCE,
+    class_reference_and_grads,
+    relative_error,
+)
+
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def make_classes(classes, dim, device, dtype=torch.float32):
+    weight = torch.nn.functional.normalize(torch.randn(classes, dim, dtype=torch.float64), dim=1)
+    return weight.to(device=device, dtype=dtype)
+
+
+def run_class(features, labels, weight, margin=0.25, gamma=256.0, weights=None):
+    """The op's losses and the gradients of Σ weights_i · L_i."""
+    f = features.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    losses = torch.ops.circle.class_loss(f, labels, w, margin, gamma)
+    g = torch.ones_like(losses) if weights is None else weights.to(losses.dtype)
+    (losses * g).sum().backward()
+    return losses.detach(), f.grad, w.grad
+
+
+def assert_class_matches_reference(features, labels, weight, margin=0.25, gamma=256.0, weights=None):
+    dtype = features.dtype
+    losses, grad_f, grad_w = run_class(features, labels, weight, margin, gamma, weights)
+    ref_losses, ref_f, ref_w = class_reference_and_grads(features, labels, weight, margin, gamma, weights)
+    loss_tol, grad_tol = TOLERANCE[dtype]
+    if dtype == torch.float32:
+        # Below float64 gamma amplifies the rounding of S: held to a multiple
+        # of plain float32 PyTorch's own error, as the other forms are.
+        _, f32, w32 = class_reference_and_grads(features, labels, weight, margin, gamma, weights, torch.float32)
+        grad_tol = max(grad_tol, FLOAT32_YARDSTICK_FACTOR * max(relative_error(f32, ref_f), relative_error(w32, ref_w)))
+    assert losses.dtype == dtype and losses.shape == labels.shape
+    assert torch.isfinite(losses).all()
+    assert relative_error(losses, ref_losses) <= loss_tol, (losses, ref_losses)
+    assert relative_error(grad_f, ref_f, floor=1e-30) <= grad_tol
+    assert relative_error(grad_w, ref_w, floor=1e-30) <= grad_tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("batch,classes,dim", [(1, 1, 4), (1, 2, 4), (5, 3, 8), (37, 300, 16), (300, 1, 8),
+                                               (257, 513, 12), (64, 10_000, 8), (520, 260, 3)])
+def test_matches_reference(device, dtype, batch, classes, dim):
+    features, _ = make_inputs(batch, dim, 1, device, dtype)
+    labels = torch.randint(0, classes, (batch,), device=device)
+    weights = torch.rand(batch, device=device, dtype=dtype) + 0.5  # an incoming gradient that is not all ones
+    assert_class_matches_reference(features, labels, make_classes(classes, dim, device, dtype), 0.25, 64.0, weights)
+
+
+@pytest.mark.parametrize("margin,gamma", [(0.25, 256.0), (0.1, 16.0), (0.4, -3.0), (0.0, 0.0), (0.35, 64.0)])
+def test_margin_and_gamma(device, margin, gamma):
+    features, _ = make_inputs(90, 16, 1, device, torch.float64)
+    labels = torch.randint(0, 40, (90,), device=device)
+    assert_class_matches_reference(features, labels, make_classes(40, 16, device, torch.float64), margin, gamma)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(device, dtype):
+    features, _ = make_inputs(70, 16, 1, device, dtype)
+    labels = torch.randint(0, 90, (70,), device=device)
+    assert_class_matches_reference(features, labels, make_classes(90, 16, device, dtype), 0.25, 32.0)
+
+
+def test_labels_outside_the_classes_leave_a_row_without_loss(device):
+    # As SPEC: no positive, L_i = 0 and no gradient from that row.
+    features, _ = make_inputs(30, 8, 1, device, torch.float64)
+    weight = make_classes(20, 8, device, torch.float64)
+    labels = torch.randint(0, 20, (30,), device=device)
+    labels[::4] = torch.tensor([-1, 20, 1000, -7, 20, 33, -1, 21], device=device)[: len(labels[::4])]
+    losses, grad_f, _ = run_class(features, labels, weight)
+    assert (losses[::4] == 0).all() and (grad_f[::4] == 0).all()
+    assert_class_matches_reference(features, labels, weight)
+
+
+@pytest.mark.parametrize("label_dtype", [torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8])
+def test_any_integer_labels(device, label_dtype):
+    features, _ = make_inputs(40, 8, 1, device)
+    weight = make_classes(100, 8, device)
+    labels = torch.randint(0, 100, (40,), device=device)
+    expected = torch.ops.circle.class_loss(features, labels, weight)
+    assert torch.equal(torch.ops.circle.class_loss(features, labels.to(label_dtype), weight), expected)
+
+
+def test_equals_anchor_loss_against_the_classes(device):
+    features, _ = make_inputs(150, 16, 1, device, torch.float64)
+    weight = make_classes(700, 16, device, torch.float64)
+    labels = torch.randint(0, 700, (150,), device=device)
+    weights = torch.rand(150, device=device, dtype=torch.float64)
+    ours = run_class(features, labels, weight, 0.25, 64.0, weights)
+    f, w = features.clone().requires_grad_(), weight.clone().requires_grad_()
+    theirs = torch.ops.circle.anchor_loss(f, labels, w, torch.arange(700, device=device), 0.25, 64.0)
+    (theirs * weights).sum().backward()
+    for a, b in zip(ours, (theirs.detach(), f.grad, w.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def circle_softmax(features, targets, weight, scale, margin):
+    """fast-reid's CircleSoftmax, written out: cosine logits, alphas detached,
+    the target's logit s_p, the others s_n, then cross-entropy (mean)."""
+    sim_mat = F.linear(F.normalize(features), F.normalize(weight))
+    alpha_p = torch.clamp_min(-sim_mat.detach() + 1 + margin, min=0.0)
+    alpha_n = torch.clamp_min(sim_mat.detach() + margin, min=0.0)
+    s_p = scale * alpha_p * (sim_mat - (1 - margin))
+    s_n = scale * alpha_n * (sim_mat - margin)
+    one_hot = F.one_hot(targets, num_classes=weight.shape[0]).to(sim_mat.dtype)
+    return F.cross_entropy(one_hot * s_p + (1.0 - one_hot) * s_n, targets)
+
+
+@pytest.mark.parametrize("scale,margin", [(64.0, 0.35), (256.0, 0.25), (128.0, 0.25)])
+def test_matches_fast_reid_circle_softmax(device, scale, margin):
+    torch.manual_seed(torch.seed() % 2**31)
+    head = circle_loss.ClassCircleLoss(500, 32, margin=margin, gamma=scale).to(device).double()
+    embeddings = torch.randn(96, 32, device=device, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 500, (96,), device=device)
+    ours = head(embeddings, labels)
+    ours.backward()
+    grads = (embeddings.grad.clone(), head.weight.grad.clone())
+    embeddings.grad = None
+    head.weight.grad = None
+    theirs = circle_softmax(embeddings, labels, head.weight, scale, margin)
+    theirs.backward()
+    assert relative_error(ours, theirs) <= 1e-10
+    assert relative_error(grads[0], embeddings.grad) <= 1e-9
+    assert relative_error(grads[1], head.weight.grad) <= 1e-9
+
+
+def test_gradients_as_asked(device):
+    # features alone, weight alone (frozen proxies), both, neither.
+    features, _ = make_inputs(40, 8, 1, device, torch.float64)
+    weight = make_classes(30, 8, device, torch.float64)
+    labels = torch.randint(0, 30, (40,), device=device)
+    _, ref_f, ref_w = class_reference_and_grads(features, labels, weight)
+    for f_grad, w_grad in [(True, False), (False, True), (True, True), (False, False)]:
+        f = features.clone().requires_grad_(f_grad)
+        w = weight.clone().requires_grad_(w_grad)
+        losses = torch.ops.circle.class_loss(f, labels, w)
+        if not (f_grad or w_grad):
+            assert losses.grad_fn is None
+            continue
+        losses.sum().backward()
+        assert (f.grad is not None) == f_grad and (w.grad is not None) == w_grad
+        if f_grad:
+            assert relative_error(f.grad, ref_f) <= 1e-10
+        if w_grad:
+            assert relative_error(w.grad, ref_w) <= 1e-10
+
+
+def test_bitwise_deterministic_for_any_thread_count(device):
+    features, _ = make_inputs(300, 16, 1, device)
+    weight = make_classes(5000, 16, device)
+    labels = torch.randint(0, 5000, (300,), device=device)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            results.append(run_class(features, labels, weight, 0.25, 64.0))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, requires_grad):
+    for batch, classes, dim in [(1, 1, 4), (37, 50, 16), (30, 300, 8)]:
+        features, _ = make_inputs(batch, dim, 1, device)
+        weight = make_classes(classes, dim, device).requires_grad_(requires_grad)
+        features.requires_grad_(requires_grad)
+        labels = torch.randint(0, classes, (batch,), device=device)
+        for args in [(features, labels, weight), (features, labels, weight, 0.3, 32.0)]:
+            torch.library.opcheck(torch.ops.circle.class_loss.default, args, test_utils=OPCHECK_TESTS)
+
+
+def test_opcheck_internal_ops(device):
+    features, _ = make_inputs(40, 8, 1, device)
+    weight = make_classes(70, 8, device)
+    labels = torch.randint(0, 70, (40,), device=device)
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor")
+    args = (features, labels, weight, 0.25, 64.0)
+    torch.library.opcheck(torch.ops.circle._class_loss_forward.default, args, test_utils=tests)
+    _, row_lse = torch.ops.circle._class_loss_forward(*args)
+    for f_grad in (False, True):
+        for w_grad in (False, True):
+            torch.library.opcheck(torch.ops.circle._class_loss_backward.default,
+                                  (torch.rand(40, device=device), *args[:3], row_lse, 0.25, 64.0, f_grad, w_grad),
+                                  test_utils=tests)
+
+
+def test_module_is_the_mean_of_the_normalised_op(device):
+    head = circle_loss.ClassCircleLoss(120, 16, margin=0.3, gamma=64.0).to(device)
+    embeddings = torch.randn(50, 16, device=device)
+    labels = torch.randint(0, 120, (50,), device=device)
+    expected = circle_loss.class_loss(F.normalize(embeddings, dim=1), labels, F.normalize(head.weight, dim=1),
+                                      0.3, 64.0).mean()
+    torch.testing.assert_close(head(embeddings, labels), expected)
+    assert head(embeddings[:0], labels[:0]) == 0  # an empty batch: 0, not the NaN of an empty mean
+    assert "num_classes=120, embedding_size=16" in repr(head)
+
+
+def test_module_scripted_compiled_exported(device, tmp_path):
+    torch._dynamo.reset()
+    head = circle_loss.ClassCircleLoss(64, 8, gamma=32.0).to(device)
+    embeddings, labels = torch.randn(40, 8, device=device), torch.randint(0, 64, (40,), device=device)
+    expected = head(embeddings, labels)
+    scripted = torch.jit.script(head)
+    torch.testing.assert_close(scripted(embeddings, labels), expected)
+    path = tmp_path / "head.pt"
+    scripted.save(str(path))
+    torch.save({"e": embeddings.cpu(), "y": labels.cpu()}, tmp_path / "inputs.pt")
+    code = f"""
+        import torch
+        torch.ops.load_library({circle_loss.library_path()!r})
+        head = torch.jit.load({str(path)!r})
+        inputs = torch.load({str(tmp_path / "inputs.pt")!r})
+        loss = head(inputs["e"].to({str(device)!r}), inputs["y"].to({str(device)!r}))
+        loss.backward()
+        print(repr(float(loss)))
+        """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) == pytest.approx(expected.item(), rel=1e-6)
+    compiled = torch.compile(head, fullgraph=True, dynamic=True)
+    for batch in (40, 57):
+        e, y = torch.randn(batch, 8, device=device), torch.randint(0, 64, (batch,), device=device)
+        torch.testing.assert_close(compiled(e, y), head(e, y), rtol=1e-6, atol=0)
+    batch = torch.export.Dim("batch", min=2)
+    program = torch.export.export(head, (embeddings, labels), dynamic_shapes=({0: batch}, {0: batch}))
+    assert [str(n.target) for n in program.graph.nodes if "circle" in str(n.target)] == ["circle.class_loss.default"]
+    e, y = torch.randn(33, 8, device=device), torch.randint(0, 64, (33,), device=device)
+    torch.testing.assert_close(program.module()(e, y), head(e, y))
+
+
+def test_compiled_autograd(device):
+    torch._dynamo.reset()
+    features, _ = make_inputs(60, 8, 1, device)
+    weight = make_classes(90, 8, device)
+    labels = torch.randint(0, 90, (60,), device=device)
+
+    def grads(compiled):
+        f, w = features.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = torch.ops.circle.class_loss(f, labels, w).sum()
+        if compiled:
+            with torch._dynamo.compiled_autograd._enable(torch.compile(fullgraph=True)):
+                loss.backward()
+        else:
+            loss.backward()
+        return f.grad, w.grad
+
+    for a, b in zip(grads(False), grads(True)):
+        torch.testing.assert_close(a, b)
+
+
+def test_torch_func_reverse_mode(device):
+    features, _ = make_inputs(30, 8, 1, device, torch.float64)
+    weight = make_classes(50, 8, device, torch.float64)
+    labels = torch.randint(0, 50, (30,), device=device)
+    _, ref_f, ref_w = class_reference_and_grads(features, labels, weight)
+    grad_f, grad_w = torch.func.grad(lambda f, w: circle_loss.class_loss(f, labels, w).sum(), argnums=(0, 1))(
+        features, weight)
+    assert relative_error(grad_f, ref_f) <= 1e-10 and relative_error(grad_w, ref_w) <= 1e-10
+    jacobian = torch.func.jacrev(lambda w: circle_loss.class_loss(features, labels, w))(weight)  # (B, C, D)
+    assert relative_error(jacobian.sum(0), ref_w) <= 1e-10
+    head = circle_loss.ClassCircleLoss(50, 8).to(device).double()
+    params = dict(head.named_parameters())
+    grads = torch.func.grad(lambda p, e: torch.func.functional_call(head, p, (e, labels)))(params, features)
+    assert grads["weight"].shape == (50, 8)
+    with pytest.raises(RuntimeError, match="circle::class_loss: torch.func's reverse mode .* Call circle_loss"):
+        torch.func.grad(lambda f: torch.ops.circle.class_loss(f, labels, weight).sum())(features)
+    with pytest.raises(RuntimeError, match="circle::class_loss does not support double backward"):
+        torch.func.grad(lambda f: torch.func.grad(lambda g: circle_loss.class_loss(g, labels, weight).sum())(f).sum())(
+            features)
+    with pytest.raises(RuntimeError, match="circle::class_loss does not support forward-mode AD"):
+        torch.func.jvp(lambda f: torch.ops.circle.class_loss(f, labels, weight), (features,), (features,))
+
+
+def test_double_backward_is_refused(device):
+    features, _ = make_inputs(20, 8, 1, device)
+    weight = make_classes(10, 8, device).requires_grad_()
+    labels = torch.randint(0, 10, (20,), device=device)
+    loss = torch.ops.circle.class_loss(features, labels, weight).sum()
+    with pytest.raises(RuntimeError, match="circle::class_loss does not support double backward"):
+        torch.autograd.grad(loss, weight, create_graph=True)
+
+
+@pytest.mark.parametrize(
+    "make_args,message",
+    [
+        (lambda f, y, w: (f, y, w[:, :4]), "weight must have the width D of features"),
+        (lambda f, y, w: (f, y, w.double()), "weight must have the dtype of features"),
+        (lambda f, y, w: (f, y, w[0]), "weight must be a 2-D tensor"),
+        (lambda f, y, w: (f, y, None), "weight must be a tensor"),
+        (lambda f, y, w: (f, y[:-1], w), "labels must have one entry per row of features"),
+        (lambda f, y, w: (f, y.float(), w), "labels must have an integer dtype"),
+        (lambda f, y, w: (f, None, w), "labels must be a tensor"),
+        (lambda f, y, w: (f[0], y, w), "features must be a 2-D tensor"),
+        (lambda f, y, w: (f.long(), y, w.long()), "features must be float32"),
+        (lambda f, y, w: (f, y, w, 0.25, 1e39), "gamma = .* overflows float32"),
+        (lambda f, y, w: (f, y, w, float("nan"), 64.0), "margin must be a finite float"),
+    ],
+)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_bad_input_is_named(device, make_args, message, requires_grad):
+    features, _ = make_inputs(10, 8, 1, device)
+    weight = make_classes(12, 8, device).requires_grad_(requires_grad)
+    labels = torch.randint(0, 12, (10,), device=device)
+    with pytest.raises(RuntimeError, match=f"circle::class_loss: {message}"):
+        torch.ops.circle.class_loss(*make_args(features, labels, weight))
+
+
+def test_memory_never_holds_batch_by_classes():
+    # B = 256 rows against C = 400 000 classes: a B × C float32 matrix is
+    # 410 MB. In a fresh process (so that no earlier peak hides it), forward
+    # and backward together must not raise the peak resident memory by a
+    # quarter of that.
+    code = """
+        import resource, torch, circle_loss
+        torch.manual_seed(0)
+        f = torch.nn.functional.normalize(torch.randn(256, 16), dim=1).requires_grad_()
+        w = torch.nn.functional.normalize(torch.randn(400_000, 16), dim=1).requires_grad_()
+        y = torch.randint(0, 400_000, (256,))
+        circle_loss.class_loss(f[:8], y[:8], w[:1000]).sum().backward()  # warm the allocator and the libraries
+        f.grad = w.grad = None
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        circle_loss.class_loss(f, y, w).sum().backward()
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print((after - before) * 1024)
+        """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    grown = int(out.stdout)
+    assert grown < 256 * 400_000 * 4 / 4, f"peak grew by {grown / 2**20:.0f} MiB"
