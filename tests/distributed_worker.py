@@ -98,6 +98,47 @@ def mixed_grad_sizes(world: int) -> list[int]:
     return [0 if r == 1 else 30 + 10 * r for r in range(world)]
 
 
+def class_head(rank: int, world: int, device) -> dict:
+    """The sharded class-level head on each dtype: rank 1 holds no rows (3
+    ranks and more), the others uneven shares; each rank's loss, its rows'
+    gradient and its weight shard's gradient. Then the cases in which rank
+    1 deviates, each rank's error message."""
+    results = {}
+    for dtype in (torch.float64, torch.float32):
+        sizes = mixed_grad_sizes(world)
+        first = sum(sizes[:rank])
+        generator = torch.Generator().manual_seed(99)
+        embeddings = torch.randn(sum(sizes), 16, generator=generator, dtype=torch.float64)
+        labels = torch.randint(0, 1000, (sum(sizes),), generator=generator)
+        weight = torch.randn(1000, 16, generator=generator, dtype=torch.float64)
+        head = circle_loss.distributed.ClassCircleLoss(1000, 16, margin=0.25, gamma=64.0).to(device, dtype)
+        start, stop = head.class_range
+        with torch.no_grad():
+            head.weight.copy_(weight[start:stop])
+        rows = embeddings[first : first + sizes[rank]].to(device, dtype).requires_grad_()
+        loss = head(rows, labels[first : first + sizes[rank]].to(device))
+        loss.backward()
+        results[str(dtype)] = dict(loss=loss.detach().cpu(), grad=rows.grad.cpu(), weight_grad=head.weight.grad.cpu(),
+                                   class_range=head.class_range)
+    messages = {}
+    deviant = rank == 1
+    rows = torch.randn(4, 16, device=device)
+    cases = {
+        "num_classes": lambda: circle_loss.distributed.ClassCircleLoss(30 if deviant else 40, 16),
+        "margin": lambda: circle_loss.distributed.ClassCircleLoss(40, 16, margin=0.3 if deviant else 0.25),
+        "width": lambda: circle_loss.distributed.ClassCircleLoss(40, 8 if deviant else 16),
+    }
+    for name, make in cases.items():
+        head = make().to(device)
+        try:
+            head(rows[:, : head.weight.shape[1]], torch.zeros(4, dtype=torch.long, device=device))
+            messages[name] = "no error"
+        except RuntimeError as error:
+            messages[name] = str(error)
+    results["messages"] = messages
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rank", type=int)
@@ -110,6 +151,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--refusals", action="store_true",
                         help="instead: rank 1 deviates in each way the ranks must agree on; save every message")
+    parser.add_argument("--class-head", action="store_true",
+                        help="instead: the sharded class-level head; save each rank's results and errors")
     parser.add_argument("--mixed-grad", action="store_true",
                         help="instead: rank 1's rows need no gradient, the others' do; save each case's results")
     args = parser.parse_args()
@@ -122,6 +165,7 @@ def main() -> None:
     )
     special = refusals(args.rank, device) if args.refusals else None
     special = mixed_grad(args.rank, args.world, device) if args.mixed_grad else special
+    special = class_head(args.rank, args.world, device) if args.class_head else special
     if special is not None:
         torch.save(special, os.path.join(args.out, f"rank{args.rank}.pt"))
         dist.destroy_process_group()

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import circle_loss
 import circle_loss.distributed
 from distributed_worker import MIXED_GRAD_CASES, global_batch, mixed_grad_sizes, split_sizes
-from reference import assert_matches_reference, reference_loss_and_grad
+from reference import assert_matches_reference, reference_loss_and_grad, relative_error
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
@@ -116,6 +116,38 @@ def test_ranks_that_disagree_on_needing_a_gradient_all_finish(world, tmp_path):
             else:
                 first = sum(sizes[:rank])
                 assert torch.allclose(grad, expected_grad[first : first + sizes[rank]], rtol=1e-8, atol=1e-12), case
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sharded_class_head_matches_the_single_process_head(world, tmp_path):
+    results = run_ranks(world, tmp_path, extra=("--class-head",))
+    sizes = mixed_grad_sizes(world)
+    generator = torch.Generator().manual_seed(99)
+    embeddings = torch.randn(sum(sizes), 16, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 1000, (sum(sizes),), generator=generator)
+    weight = torch.randn(1000, 16, generator=generator, dtype=torch.float64)
+    ranges = [result[str(torch.float64)]["class_range"] for result in results]
+    assert ranges == [(int(s[0]), int(s[-1]) + 1) if len(s) else ranges[r]
+                      for r, s in enumerate(torch.tensor_split(torch.arange(1000), world))]
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
+        head = circle_loss.ClassCircleLoss(1000, 16, margin=0.25, gamma=64.0).to(dtype)
+        with torch.no_grad():
+            head.weight.copy_(weight)
+        rows = embeddings.to(dtype).clone().requires_grad_()
+        expected = head(rows, labels)
+        expected.backward()
+        grads = torch.cat([result[str(dtype)]["grad"] for result in results])
+        weight_grads = torch.cat([result[str(dtype)]["weight_grad"] for result in results])
+        for result in results:
+            assert torch.equal(result[str(dtype)]["loss"], results[0][str(dtype)]["loss"])  # the same bits
+            assert relative_error(result[str(dtype)]["loss"], expected) <= tol
+        assert relative_error(grads, rows.grad) <= 10 * tol
+        assert relative_error(weight_grads, head.weight.grad) <= 10 * tol
+    messages = [result["messages"] for result in results]
+    for name, text in (("num_classes", "num_classes by rank"), ("margin", "margin by rank"), ("width", "D by rank")):
+        for rank in range(world):
+            assert text in messages[rank][name], (name, rank, messages[rank][name])
 
 
 def test_bad_input_is_refused_before_any_collective():

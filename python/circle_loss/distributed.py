@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import DEFAULT_GAMMA, DEFAULT_MARGIN
+from . import CLASS_DEFAULT_GAMMA, CLASS_DEFAULT_MARGIN, DEFAULT_GAMMA, DEFAULT_MARGIN
 
 
 def _ring_blocks(features, labels, sizes, group):
@@ -66,46 +66,43 @@ def _ring_blocks(features, labels, sizes, group):
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _check_local(features, labels, margin, gamma):
+def _check_local(features, labels, margin, gamma, op="loss"):
     """The op's own checks, at no cost on meta tensors; labels on another
     device keep that device, so the device check fires too."""
     for name, value in (("features", features), ("labels", labels)):
         if not isinstance(value, torch.Tensor):
-            raise RuntimeError(f"circle_loss.distributed.loss: {name} must be a tensor, got {type(value).__name__}")
+            raise RuntimeError(f"circle_loss.distributed.{op}: {name} must be a tensor, got {type(value).__name__}")
     same_device = labels.device == features.device
     torch.ops.circle.loss(features.to("meta"), labels.to("meta") if same_device else labels, margin, gamma)
 
 
-def _agreed_sizes(features, labels, margin, gamma, group, need_grad):
+def _collective_device(group):
+    on_cuda = "nccl" in str(dist.get_backend(group))
+    return torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+
+
+def _agree(name, check, features, agreed, group, need_grad):
     """Every rank's row count, and whether any rank's rows need a gradient,
-    once all ranks are known to have valid input and to agree on D, dtype,
-    margin and gamma. One all_gather carries all of it, so every rank raises
-    the same error, or none does, before any ring traffic: a rank that raised
-    alone would leave the others waiting. The gradient's ring takes every
+    once every rank's check() has passed and all ranks agree on the values
+    in `agreed` (name -> a float: the width D, dtype, margin, gamma, ...).
+    One all_gather carries all of it, so every rank raises the same error,
+    or none does, before any other collective: a rank that raised alone
+    would leave the others waiting. The gradients' collectives take every
     rank, so a rank whose rows need none (an empty shard, rows under
-    no_grad) still runs it when another rank's rows do."""
+    no_grad) still takes part when another rank's rows need one."""
     problem = None
     try:
-        _check_local(features, labels, margin, gamma)
+        check()
     except RuntimeError as error:
         problem = error
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    on_cuda = "nccl" in str(dist.get_backend(group))
-    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
     valid = problem is None
+    values = [float(v) for v in agreed.values()] if valid else [0.0] * len(agreed)
     local = torch.tensor(
-        [
-            float(valid),
-            float(features.shape[0]) if valid else -1.0,
-            float(features.shape[1]) if valid else -1.0,
-            float(_DTYPES.index(features.dtype)) if valid else -1.0,
-            float(margin) if valid else 0.0,
-            float(gamma) if valid else 0.0,
-            float(need_grad),
-        ],
+        [float(valid), float(features.shape[0]) if valid else -1.0, float(need_grad), *values],
         dtype=torch.float64,
-        device=device,
+        device=_collective_device(group),
     )
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local, group=group)
@@ -113,22 +110,35 @@ def _agreed_sizes(features, labels, margin, gamma, group, need_grad):
     bad = [r for r, row in enumerate(rows) if row[0] != 1.0]
     if bad:
         if problem is not None:
-            raise RuntimeError(f"circle_loss.distributed.loss: rank {rank}: {problem}") from problem
-        raise RuntimeError(f"circle_loss.distributed.loss: bad input on rank(s) {bad}; see their errors")
-    agreed = {
-        "D": [int(row[2]) for row in rows],
-        "dtype": [str(_DTYPES[int(row[3])]) for row in rows],
-        "margin": [row[4] for row in rows],
-        "gamma": [row[5] for row in rows],
-    }
-    differing = {name: values for name, values in agreed.items() if len(set(values)) > 1}
+            raise RuntimeError(f"circle_loss.distributed.{name}: rank {rank}: {problem}") from problem
+        raise RuntimeError(f"circle_loss.distributed.{name}: bad input on rank(s) {bad}; see their errors")
+    by_rank = {key: [row[3 + k] for row in rows] for k, key in enumerate(agreed)}
+    differing = {key: values for key, values in by_rank.items() if len(set(values)) > 1}
     if differing:
-        details = "; ".join(f"{name} by rank: {values}" for name, values in differing.items())
+        shown = {key: ([str(_DTYPES[int(v)]) for v in values] if key == "dtype" else
+                       [int(v) for v in values] if key in _COUNTS else values)
+                 for key, values in differing.items()}
+        details = "; ".join(f"{key} by rank: {values}" for key, values in shown.items())
         raise RuntimeError(
-            "circle_loss.distributed.loss: every rank must pass features of the same width D and "
-            f"dtype, and the same margin and gamma, got {details}"
+            f"circle_loss.distributed.{name}: every rank must pass the same {', '.join(agreed)}, got {details}"
         )
-    return [int(row[1]) for row in rows], any(row[6] == 1.0 for row in rows)
+    return [int(row[1]) for row in rows], any(row[2] == 1.0 for row in rows)
+
+
+# Agreed values shown as integers in the errors.
+_COUNTS = ("D", "num_classes")
+
+
+def _agreed_sizes(features, labels, margin, gamma, group, need_grad):
+    """_agree for the global form's arguments."""
+    valid = isinstance(features, torch.Tensor) and features.dim() == 2 and features.dtype in _DTYPES
+    agreed = {
+        "D": features.shape[1] if valid else -1,
+        "dtype": _DTYPES.index(features.dtype) if valid else -1,
+        "margin": margin,
+        "gamma": gamma,
+    }
+    return _agree("loss", lambda: _check_local(features, labels, margin, gamma), features, agreed, group, need_grad)
 
 
 def _loss_and_grad(features, labels, margin, gamma, group, need_grad):
@@ -215,3 +225,144 @@ class CircleLoss(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"margin={self.margin}, gamma={self.gamma}"
+
+
+def _all_gather_rows(rows, sizes, group):
+    """Every rank's rows (sizes[r] of them) in rank order, on every rank:
+    padded to the largest shard for the all_gather, which needs equal sizes."""
+    widest = max(sizes)
+    padded = rows.new_zeros((widest, *rows.shape[1:]))
+    padded[: rows.shape[0]] = rows
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded, group=group)
+    return torch.cat([block[:n] for block, n in zip(gathered, sizes)])
+
+
+def _class_states_and_grads(features, labels, weight, first_class, num_classes, margin, gamma, group, need_grad):
+    """The mean class-level loss of the global batch (every rank's rows
+    against every rank's classes), and, where any rank needs a gradient, its
+    gradients with respect to this rank's rows and class shard."""
+
+    def check():
+        _check_local(features, labels, margin, gamma, "ClassCircleLoss")
+        torch.ops.circle.class_loss(features.to("meta"), labels.to("meta"), weight.to("meta"), margin, gamma)
+
+    valid = isinstance(features, torch.Tensor) and features.dim() == 2 and features.dtype in _DTYPES
+    agreed = {
+        "D": features.shape[1] if valid else -1,
+        "dtype": _DTYPES.index(features.dtype) if valid else -1,
+        "margin": margin,
+        "gamma": gamma,
+        "num_classes": num_classes,
+    }
+    sizes, need_grad = _agree("ClassCircleLoss", check, features, agreed, group, need_grad)
+    rank = dist.get_rank(group)
+    all_features = _all_gather_rows(features.contiguous(), sizes, group)
+    # Labels as this shard's class indices: rows of other shards' classes
+    # fall outside [0, C_r) and so have no positive here.
+    all_labels = _all_gather_rows(labels.to(torch.int64), sizes, group) - first_class
+    _, row_lse = torch.ops.circle._class_loss_forward(all_features, all_labels, weight, margin, gamma)
+    # A row's positive lies on one rank, its negatives on all: both columns,
+    # (zp, LSE_N), merge over ranks by one log-sum-exp, the same on every rank.
+    states = torch.logsumexp(torch.stack(_all_gather_rows_equal(row_lse, group)), dim=0)
+    zp, lse_n = states.unbind(1)
+    rows = (zp != -torch.inf) & (lse_n != -torch.inf)
+    losses = torch.where(rows, torch.logaddexp(zp + lse_n, torch.zeros_like(zp)), torch.zeros_like(zp))
+    batch = max(sum(sizes), 1)
+    loss = (losses.sum() / batch).to(features.dtype)
+    if not need_grad:
+        return loss, None, None
+    # The gradient of the mean: every row's incoming gradient is 1 / B.
+    incoming = torch.full((sum(sizes),), 1.0 / batch, dtype=states.dtype, device=states.device)
+    grad_rows, grad_weight = torch.ops.circle._class_loss_backward(
+        incoming, all_features, all_labels, weight, states, margin, gamma, True, True)
+    dist.all_reduce(grad_rows, group=group)  # every rank's share, summed
+    first = sum(sizes[:rank])
+    return loss, grad_rows[first : first + sizes[rank]], grad_weight
+
+
+def _all_gather_rows_equal(tensor, group):
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, tensor.contiguous(), group=group)
+    return gathered
+
+
+class _DistributedClassLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, features, labels, weight, first_class, num_classes, margin, gamma, group):
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[2]
+        loss, grad_features, grad_weight = _class_states_and_grads(
+            features.detach(), labels, weight.detach(), first_class, num_classes, margin, gamma, group, need_grad)
+        ctx.save_for_backward(grad_features, grad_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "circle_loss.distributed.ClassCircleLoss does not support double backward: its gradients are "
+                "computed in the forward pass and are not differentiable again."
+            )
+        grad_features, grad_weight = ctx.saved_tensors
+        return (grad_features * grad_loss, None, grad_weight * grad_loss, None, None, None, None, None)
+
+
+class ClassCircleLoss(torch.nn.Module):
+    """The class-level Circle Loss head with its classes sharded across the
+    ranks of a process group (model parallel, exact: no class sampling).
+
+    Rank r holds ``weight``, the rows of the classes
+    ``torch.tensor_split(torch.arange(num_classes), world)[r]``, and exposes
+    them as ``class_range = (start, stop)``. ``forward(embeddings, labels)``
+    takes this rank's rows (any number, zero included) with their global
+    class labels and returns the mean loss over the global batch, the same
+    on every rank: what ``circle_loss.ClassCircleLoss`` gives on the
+    concatenated batch with the concatenated weights. Embeddings and labels
+    travel (all-gathered), the weights never do. backward gives this rank's
+    rows and its weight shard their gradients of that loss; it needs no
+    collective of its own (the forward made them), so it is safe to call on
+    some ranks only.
+
+    Under DistributedDataParallel keep this head out of DDP (its shards
+    differ by rank: wrap the backbone alone). DDP averages the backbone's
+    gradients over ranks, where each rank holds its rows' exact share: the
+    backbone's gradient arrives divided by the world size. Scale the
+    backbone's learning rate (or its gradients) by the world size to train
+    as one process would.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        embedding_size: int,
+        margin: float = CLASS_DEFAULT_MARGIN,
+        gamma: float = CLASS_DEFAULT_GAMMA,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        counts = [len(shard) for shard in torch.tensor_split(torch.arange(num_classes), world)]
+        self.class_range = (sum(counts[:rank]), sum(counts[: rank + 1]))
+        self.num_classes = int(num_classes)
+        self.margin = float(margin)
+        self.gamma = float(gamma)
+        self.group = group
+        self.weight = torch.nn.Parameter(torch.empty(counts[rank], embedding_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # As circle_loss.ClassCircleLoss starts its weights (each row's
+        # distribution depends on the embedding size alone).
+        torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(B_rank, D) embeddings and (B_rank,) labels in [0, num_classes) ->
+        the 0-dim mean loss of the global batch. Every rank must call."""
+        features = torch.nn.functional.normalize(embeddings, dim=1)
+        weight = torch.nn.functional.normalize(self.weight, dim=1)
+        return _DistributedClassLoss.apply(features, labels, weight, self.class_range[0], self.num_classes,
+                                           self.margin, self.gamma, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"num_classes={self.num_classes}, class_range={self.class_range}, "
+                f"embedding_size={self.weight.shape[1]}, margin={self.margin}, gamma={self.gamma}")
