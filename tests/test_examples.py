@@ -42,6 +42,16 @@ def test_train_digits_with_a_memory_bank_learns():
     assert map_after >= map_before + 0.2
 
 
+def test_train_digits_with_the_class_level_head_learns(tmp_path):
+    out = run([sys.executable, "examples/train_digits_classes.py", "--out", str(tmp_path / "classes.png")])
+    before, after = map(float, re.fullmatch(r"recall@1 before ([0-9.]+) after ([0-9.]+)",
+                                            out.strip().splitlines()[-1]).groups())
+    assert after >= before + 0.05 and after >= 0.95, out
+    map_before, map_after = map(float, re.search(r"MAP@R before ([0-9.]+) after ([0-9.]+)", out).groups())
+    assert map_after >= map_before + 0.3
+    assert (tmp_path / "classes.png").stat().st_size > 10_000
+
+
 def test_train_digits_compiled_step(tmp_path):
     out = run([sys.executable, "examples/train_digits.py", "--compile", "--epochs", "2", "--out", str(tmp_path / "d.png")])
     assert out.strip().splitlines()[-1].startswith("recall@1 before")
