@@ -139,6 +139,78 @@ def class_head(rank: int, world: int, device) -> dict:
     return results
 
 
+def per_anchor(rank: int, world: int, device) -> dict:
+    """distributed.anchor_loss on uneven shards (rank 1 without rows from 3
+    ranks on), each rank with an incoming gradient of its own; the module;
+    and each rank's error where rank 1's rows need no gradient."""
+    sizes = mixed_grad_sizes(world)
+    first = sum(sizes[:rank])
+    results = {}
+    for dtype in (torch.float64, torch.float32):
+        features, labels = global_batch(sum(sizes), 8, dtype, device)
+        incoming = torch.linspace(0.5, 1.5, sum(sizes), dtype=dtype, device=device)[first : first + sizes[rank]]
+        rows = features[first : first + sizes[rank]].clone().requires_grad_()
+        losses = circle_loss.distributed.anchor_loss(rows, labels[first : first + sizes[rank]], 0.4, 80.0)
+        (losses * incoming).sum().backward()
+        module_rows = features[first : first + sizes[rank]].clone().requires_grad_()
+        mean = circle_loss.distributed.AnchorCircleLoss(0.4, 80.0)(module_rows, labels[first : first + sizes[rank]])
+        mean.backward()
+        with torch.no_grad():
+            no_grad = circle_loss.distributed.anchor_loss(rows, labels[first : first + sizes[rank]], 0.4, 80.0)
+        results[str(dtype)] = dict(losses=losses.detach().cpu(), grad=rows.grad.cpu(), mean=mean.detach().cpu(),
+                                   mean_grad=module_rows.grad.cpu(), no_grad=no_grad.cpu())
+    features, labels = global_batch(sum(sizes), 8, torch.float32, device)
+    rows = features[first : first + sizes[rank]].clone().requires_grad_(rank != 1)
+    try:
+        circle_loss.distributed.anchor_loss(rows, labels[first : first + sizes[rank]])
+        results["disagreement"] = "no error"
+    except RuntimeError as error:
+        results["disagreement"] = str(error)
+    return results
+
+
+def pml_wrapper(rank: int, world: int, device) -> dict:
+    """PML's DistributedLossWrapper and the drop-in, on equal shards (PML's
+    gather needs them), in both modes and around several losses: each
+    rank's loss and its rows' gradient, or the error raised."""
+    from pytorch_metric_learning import losses
+    from pytorch_metric_learning.utils.distributed import DistributedLossWrapper
+
+    import circle_loss.pml
+
+    generator = torch.Generator().manual_seed(7)
+    features = torch.randn(world * 24, 16, generator=generator, dtype=torch.float64).to(device)
+    labels = torch.randint(0, 5, (world * 24,), generator=generator).to(device)
+    rows, row_labels = features[rank * 24 : (rank + 1) * 24], labels[rank * 24 : (rank + 1) * 24]
+    inner = {
+        "CircleLoss": (losses.CircleLoss, circle_loss.pml.CircleLoss),
+        "ContrastiveLoss": (losses.ContrastiveLoss, losses.ContrastiveLoss),
+        "CrossBatchMemory": (lambda: losses.CrossBatchMemory(losses.CircleLoss(), 16, memory_size=200),
+                             lambda: circle_loss.pml.CrossBatchMemory(circle_loss.pml.CircleLoss(), 16, memory_size=200)),
+    }
+    calls = []
+    fused = circle_loss.pml.anchor_loss
+    circle_loss.pml.anchor_loss = lambda *args: calls.append(1) or fused(*args)
+    results = {}
+    for name, (stock_loss, our_loss) in inner.items():
+        for efficient in (False, True):
+            for label_kind in ("int", "float"):
+                y = row_labels if label_kind == "int" else row_labels.double() / 2
+                got = []
+                calls.clear()
+                for wrapper, make in ((DistributedLossWrapper, stock_loss), (circle_loss.pml.DistributedLossWrapper,
+                                                                             our_loss)):
+                    leaf = rows.clone().requires_grad_()
+                    try:
+                        loss = wrapper(make(), efficient=efficient)(leaf, y)
+                        loss.backward()
+                        got.append((loss.detach().cpu(), leaf.grad.cpu()))
+                    except (ValueError, TypeError, RuntimeError) as error:
+                        got.append(type(error).__name__)
+                results[(name, efficient, label_kind)] = (*got, len(calls))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rank", type=int)
@@ -153,6 +225,10 @@ def main() -> None:
                         help="instead: rank 1 deviates in each way the ranks must agree on; save every message")
     parser.add_argument("--class-head", action="store_true",
                         help="instead: the sharded class-level head; save each rank's results and errors")
+    parser.add_argument("--per-anchor", action="store_true",
+                        help="instead: distributed.anchor_loss and its module; save each rank's results")
+    parser.add_argument("--pml-wrapper", action="store_true",
+                        help="instead: PML's DistributedLossWrapper against the drop-in; save each rank's results")
     parser.add_argument("--mixed-grad", action="store_true",
                         help="instead: rank 1's rows need no gradient, the others' do; save each case's results")
     args = parser.parse_args()
@@ -166,6 +242,8 @@ def main() -> None:
     special = refusals(args.rank, device) if args.refusals else None
     special = mixed_grad(args.rank, args.world, device) if args.mixed_grad else special
     special = class_head(args.rank, args.world, device) if args.class_head else special
+    special = per_anchor(args.rank, args.world, device) if args.per_anchor else special
+    special = pml_wrapper(args.rank, args.world, device) if args.pml_wrapper else special
     if special is not None:
         torch.save(special, os.path.join(args.out, f"rank{args.rank}.pt"))
         dist.destroy_process_group()

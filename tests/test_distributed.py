@@ -150,6 +150,54 @@ def test_sharded_class_head_matches_the_single_process_head(world, tmp_path):
             assert text in messages[rank][name], (name, rank, messages[rank][name])
 
 
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_per_anchor_ranks_match_the_single_process_op(world, tmp_path):
+    results = run_ranks(world, tmp_path, extra=("--per-anchor",))
+    sizes = mixed_grad_sizes(world)
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
+        features, labels = global_batch(sum(sizes), 8, dtype, "cpu")
+        incoming = torch.linspace(0.5, 1.5, sum(sizes), dtype=dtype)
+        x = features.clone().requires_grad_()
+        expected = circle_loss.anchor_loss(x, labels, margin=0.4, gamma=80.0)
+        (expected * incoming).sum().backward()
+        losses = torch.cat([r[str(dtype)]["losses"] for r in results])
+        grads = torch.cat([r[str(dtype)]["grad"] for r in results])
+        assert relative_error(losses, expected) <= tol
+        assert relative_error(grads, x.grad) <= 10 * tol
+        assert torch.equal(torch.cat([r[str(dtype)]["no_grad"] for r in results]), losses)
+        x = features.clone().requires_grad_()
+        mean = circle_loss.AnchorCircleLoss(0.4, 80.0)(x, labels)
+        mean.backward()
+        for r in results:
+            assert torch.equal(r[str(dtype)]["mean"], results[0][str(dtype)]["mean"])  # the same bits on every rank
+            assert relative_error(r[str(dtype)]["mean"], mean) <= tol
+        assert relative_error(torch.cat([r[str(dtype)]["mean_grad"] for r in results]), x.grad) <= 10 * tol
+    for r in results:
+        assert "needs a gradient by rank: [True, False" in r["disagreement"], r["disagreement"]
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
+@pytest.mark.parametrize("world", [2, 3])
+def test_pml_wrapper_drop_in_matches_stock(world, tmp_path):
+    pytest.importorskip("pytorch_metric_learning")
+    results = run_ranks(world, tmp_path, extra=("--pml-wrapper",))
+    for result in results:
+        for case, (stock, ours, fused_calls) in result.items():
+            # The drop-in CircleLoss runs the op in both modes (inside
+            # CrossBatchMemory too, which PML refuses with efficient=True);
+            # other losses never reach it.
+            name, efficient, _ = case
+            refused = name == "CrossBatchMemory" and efficient
+            assert (fused_calls > 0) == (name != "ContrastiveLoss" and not refused), (case, fused_calls)
+            assert isinstance(stock, str) == refused, (case, stock)
+            if isinstance(stock, str) or isinstance(ours, str):
+                assert stock == ours, (case, stock, ours)  # the same error
+                continue
+            assert relative_error(ours[0], stock[0]) <= 1e-10, (case, ours[0], stock[0])
+            assert relative_error(ours[1], stock[1], floor=1e-12) <= 1e-8, case
+
+
 def test_bad_input_is_refused_before_any_collective():
     # No process group at all: the checks must fire first.
     with pytest.raises(RuntimeError, match="labels must have one entry per row"):

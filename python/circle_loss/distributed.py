@@ -29,7 +29,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import CLASS_DEFAULT_GAMMA, CLASS_DEFAULT_MARGIN, DEFAULT_GAMMA, DEFAULT_MARGIN
+from . import (
+    ANCHOR_DEFAULT_GAMMA,
+    ANCHOR_DEFAULT_MARGIN,
+    CLASS_DEFAULT_GAMMA,
+    CLASS_DEFAULT_MARGIN,
+    DEFAULT_GAMMA,
+    DEFAULT_MARGIN,
+)
 
 
 def _ring_blocks(features, labels, sizes, group):
@@ -81,7 +88,7 @@ def _collective_device(group):
     return torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
 
 
-def _agree(name, check, features, agreed, group, need_grad):
+def _agree(name, check, features, agreed, group, need_grad, hints=None):
     """Every rank's row count, and whether any rank's rows need a gradient,
     once every rank's check() has passed and all ranks agree on the values
     in `agreed` (name -> a float: the width D, dtype, margin, gamma, ...).
@@ -115,18 +122,21 @@ def _agree(name, check, features, agreed, group, need_grad):
     by_rank = {key: [row[3 + k] for row in rows] for k, key in enumerate(agreed)}
     differing = {key: values for key, values in by_rank.items() if len(set(values)) > 1}
     if differing:
-        shown = {key: ([str(_DTYPES[int(v)]) for v in values] if key == "dtype" else
-                       [int(v) for v in values] if key in _COUNTS else values)
-                 for key, values in differing.items()}
-        details = "; ".join(f"{key} by rank: {values}" for key, values in shown.items())
+        shown = {key: [_SHOWN.get(key, float)(v) for v in values] for key, values in differing.items()}
+        details = "; ".join(f"{key} by rank: {values}" + (hints or {}).get(key, "") for key, values in shown.items())
         raise RuntimeError(
             f"circle_loss.distributed.{name}: every rank must pass the same {', '.join(agreed)}, got {details}"
         )
     return [int(row[1]) for row in rows], any(row[2] == 1.0 for row in rows)
 
 
-# Agreed values shown as integers in the errors.
-_COUNTS = ("D", "num_classes")
+# How the errors show agreed values other than floats.
+_SHOWN = {
+    "D": int,
+    "num_classes": int,
+    "dtype": lambda v: str(_DTYPES[int(v)]),
+    "needs a gradient": bool,
+}
 
 
 def _agreed_sizes(features, labels, margin, gamma, group, need_grad):
@@ -359,10 +369,126 @@ class ClassCircleLoss(torch.nn.Module):
         """(B_rank, D) embeddings and (B_rank,) labels in [0, num_classes) ->
         the 0-dim mean loss of the global batch. Every rank must call."""
         features = torch.nn.functional.normalize(embeddings, dim=1)
-        weight = torch.nn.functional.normalize(self.weight, dim=1)
+        weight = torch.ops.circle._normalize_rows(self.weight)  # as circle_loss.ClassCircleLoss does
         return _DistributedClassLoss.apply(features, labels, weight, self.class_range[0], self.num_classes,
                                            self.margin, self.gamma, self.group)
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, class_range={self.class_range}, "
                 f"embedding_size={self.weight.shape[1]}, margin={self.margin}, gamma={self.gamma}")
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every rank's rows in rank order, with autograd: the backward sums the
+    gradient every rank made for the gathered rows (one all_reduce) and
+    returns this rank's slice. Every rank whose forward ran must run the
+    backward."""
+
+    @staticmethod
+    def forward(ctx, rows, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _all_gather_rows(rows.contiguous(), sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        rank = dist.get_rank(ctx.group)
+        first = sum(ctx.sizes[:rank])
+        return grad[first : first + ctx.sizes[rank]], None, None
+
+
+def anchor_loss(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    margin: float = ANCHOR_DEFAULT_MARGIN,
+    gamma: float = ANCHOR_DEFAULT_GAMMA,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Per-anchor Circle Loss of this rank's rows against the batch formed by
+    every rank's rows (in rank order): row i's loss meets every row of the
+    global batch but itself, as :func:`circle_loss.anchor_loss` of the
+    concatenated batch gives it.
+
+    Args:
+        features: (B_rank, D) this rank's rows; B_rank may differ per rank, 0 included.
+        labels: (B_rank,) integer labels of those rows.
+        margin, gamma: as for :func:`circle_loss.anchor_loss`; equal on every rank.
+        group: the process group (default: the world).
+
+    Returns:
+        (B_rank,) losses of this rank's rows. Every rank of the group must
+        call, and, for a gradient, every rank must call backward (with its own
+        incoming gradient): each rank's rows then get the gradient of the sum
+        over ranks of <incoming gradient, losses>, since a row is a query on
+        its own rank and a reference on all of them. Ranks that disagree on
+        whether their rows need a gradient are refused on every rank, as the
+        backward's collective would leave the others waiting.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        _check_local(features, labels, margin, gamma, "anchor_loss")  # no group: the op's own error, at once
+    margin, gamma = float(margin), float(gamma)
+    need_grad = torch.is_grad_enabled() and features.requires_grad
+    valid = isinstance(features, torch.Tensor) and features.dim() == 2 and features.dtype in _DTYPES
+    agreed = {
+        "D": features.shape[1] if valid else -1,
+        "dtype": _DTYPES.index(features.dtype) if valid else -1,
+        "margin": margin,
+        "gamma": gamma,
+        "needs a gradient": float(need_grad),
+    }
+    hint = {"needs a gradient": (
+        " (every rank's backward takes part in one collective, so rows need a gradient on every rank or on none: "
+        "pass an empty shard as torch.empty(0, D, requires_grad=True), or call every rank under no_grad)")}
+    sizes, _ = _agree("anchor_loss", lambda: _check_local(features, labels, margin, gamma, "anchor_loss"),
+                      features, agreed, group, need_grad, hint)
+    rank = dist.get_rank(group)
+    first = sum(sizes[:rank])
+    everyone = _GatherRows.apply(features, sizes, group) if need_grad else _all_gather_rows(
+        features.contiguous(), sizes, group)
+    everyone_labels = _all_gather_rows(labels.to(torch.int64), sizes, group)
+    # The own rows are the queries; the gathered batch the references, each
+    # query's own copy (at its global position) left out.
+    own_copies = torch.arange(first, first + sizes[rank], device=features.device)
+    return torch.ops.circle.anchor_loss(features, labels.to(torch.int64), everyone, everyone_labels, margin, gamma,
+                                        own_copies)
+
+
+class _GlobalValue(torch.autograd.Function):
+    """The value `total` (the same on every rank), differentiable through
+    this rank's share `own` of it."""
+
+    @staticmethod
+    def forward(ctx, own, total):
+        return total.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class AnchorCircleLoss(torch.nn.Module):
+    """``nn.Module`` form of :func:`anchor_loss`: the mean of the nonzero
+    rows' losses over the global batch (as ``circle_loss.AnchorCircleLoss``
+    reduces one batch), the same value on every rank. Each rank's backward
+    gives the gradient of its own rows' share of that mean, so the ranks'
+    gradients together are the global mean's; under DistributedDataParallel,
+    which averages gradients over ranks, multiply the loss by the world size.
+    Every rank must call forward and backward."""
+
+    def __init__(self, margin: float = ANCHOR_DEFAULT_MARGIN, gamma: float = ANCHOR_DEFAULT_GAMMA,
+                 group=None) -> None:
+        super().__init__()
+        self.margin = float(margin)
+        self.gamma = float(gamma)
+        self.group = group
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        losses = anchor_loss(features, labels, self.margin, self.gamma, self.group)
+        totals = torch.stack([losses.detach().sum(), (losses > 0).sum().to(losses.dtype)]).double()
+        dist.all_reduce(totals, group=self.group)
+        total = _GlobalValue.apply(losses.sum(), totals[0].to(losses.dtype))
+        return total / totals[1].clamp_min(1).to(losses.dtype)
+
+    def extra_repr(self) -> str:
+        return f"margin={self.margin}, gamma={self.gamma}"

@@ -1,5 +1,7 @@
-"""Fused drop-ins for pytorch-metric-learning's ``losses.CircleLoss`` and
-``losses.CrossBatchMemory``.
+"""Fused drop-ins for pytorch-metric-learning's ``losses.CircleLoss``,
+``losses.CrossBatchMemory`` and ``utils.distributed.DistributedLossWrapper``,
+and ``ClassCircleLoss``, the class-level Circle Loss as a PML classification
+loss.
 
 Replace ``from pytorch_metric_learning.losses import CircleLoss`` with
 ``from circle_loss.pml import CircleLoss``: same constructor (``m=0.4,
@@ -33,15 +35,17 @@ from pytorch_metric_learning.distances import CosineSimilarity, DotProductSimila
 from pytorch_metric_learning.losses.base_metric_loss_function import BaseMetricLossFunction
 from pytorch_metric_learning.losses.mixins import WeightRegularizerMixin
 from pytorch_metric_learning.utils import common_functions as c_f
+from pytorch_metric_learning.utils import distributed as _pml_distributed
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
 from . import CLASS_DEFAULT_GAMMA, CLASS_DEFAULT_MARGIN, anchor_loss, class_loss  # registers the ops
 
 
 class _BankPairs:
-    """What CrossBatchMemory passes its loss in place of an indices_tuple:
-    every pair of the batch with the bank, but each query with its own copy
-    at bank row ``copies[i]`` (``copies`` None: every pair)."""
+    """What CrossBatchMemory (and DistributedLossWrapper) pass the loss in
+    place of an indices_tuple: every pair of the batch with the bank (the
+    gathered batch), but each query with its own copy at row ``copies[i]``
+    (``copies`` None: every pair)."""
 
     def __init__(self, copies, bank_size):
         self.copies = copies
@@ -177,6 +181,43 @@ class CrossBatchMemory(_pml_losses.CrossBatchMemory):
         return _BankPairs(copies, self.memory_size)
 
 
+class DistributedLossWrapper(_pml_distributed.DistributedLossWrapper):
+    """pytorch-metric-learning's ``DistributedLossWrapper(loss, efficient=False)``
+    (same constructor, same results, errors included) that lets this
+    module's ``CircleLoss`` run the op in both modes.
+
+    Both modes gather every rank's embeddings as PML does: this rank's rows
+    (with their gradient) first, then the other ranks' (detached), and
+    multiply the loss by the world size. efficient=False computes the loss
+    of the gathered batch against itself, which ``CircleLoss`` already runs
+    on the op. efficient=True computes this rank's rows against the gathered
+    batch, each row's own copy left out; PML builds that as an
+    ``indices_tuple`` of all the pairs, which would send the loss to PML's
+    B × M masks, and this class hands the loss the copies' positions instead
+    (``ref_self_index``), as ``CrossBatchMemory`` does. Any other loss, a
+    miner's ``indices_tuple``, ``ref_emb`` and ``CrossBatchMemory`` inside
+    take PML's own path."""
+
+    def forward_regular_loss(self, emb, labels, indices_tuple, ref_emb, ref_labels, world_size):
+        fusable = (
+            self.efficient
+            and world_size > 1
+            and isinstance(self.loss, CircleLoss)
+            and labels is not None
+            and indices_tuple is None
+            and ref_emb is None
+            and ref_labels is None
+        )
+        if not fusable:
+            return super().forward_regular_loss(emb, labels, indices_tuple, ref_emb, ref_labels, world_size)
+        all_emb, all_labels, labels = _pml_distributed.gather(emb, labels)
+        # The own rows are the first len(emb) of the gathered batch. PML keeps
+        # a lone row's pair with its copy (its removal takes a batch of one
+        # for one that wraps round), and so does this.
+        copies = torch.arange(len(emb), device=emb.device) if len(emb) > 1 else None
+        return self.loss(emb, labels, _BankPairs(copies, len(all_emb)), all_emb, all_labels) * world_size
+
+
 class ClassCircleLoss(WeightRegularizerMixin, BaseMetricLossFunction):
     """The class-level Circle Loss as a pytorch-metric-learning
     classification loss, shaped like its ``ArcFaceLoss`` and ``CosFaceLoss``:
@@ -233,4 +274,4 @@ class ClassCircleLoss(WeightRegularizerMixin, BaseMetricLossFunction):
         return CosineSimilarity()
 
 
-__all__ = ["CircleLoss", "ClassCircleLoss", "CrossBatchMemory"]
+__all__ = ["CircleLoss", "ClassCircleLoss", "CrossBatchMemory", "DistributedLossWrapper"]
