@@ -66,6 +66,12 @@ TORCH_LIBRARY(circle, m) {
   m.def(
       "_class_loss_backward(Tensor grad_losses, Tensor features, Tensor labels, Tensor weight, Tensor row_lse, float margin, float gamma, bool features_grad, bool weight_grad) -> (Tensor, Tensor)");
 
+  // x / max(‖x_i‖, 1e-12) row by row, as torch.nn.functional.normalize(x,
+  // dim=1) gives it, with a backward of its own that holds one (N, D) buffer
+  // where autograd's of normalize holds several: the class-level modules
+  // normalise their (C, D) class weights with it every step.
+  m.def("_normalize_rows(Tensor x) -> Tensor");
+
   // Pieces of the loss over the pairs of two row blocks, for computing it
   // sharded (circle_loss.distributed). Partials are float64 rows
   // (max_P, Σ exp(z - max_P), max_N, Σ exp(z - max_N)) that combine exactly.

@@ -245,7 +245,8 @@ def test_module_scripted_compiled_exported(device, tmp_path):
         torch.testing.assert_close(compiled(e, y), head(e, y), rtol=1e-6, atol=0)
     batch = torch.export.Dim("batch", min=2)
     program = torch.export.export(head, (embeddings, labels), dynamic_shapes=({0: batch}, {0: batch}))
-    assert [str(n.target) for n in program.graph.nodes if "circle" in str(n.target)] == ["circle.class_loss.default"]
+    assert [str(n.target) for n in program.graph.nodes if "circle" in str(n.target)] == [
+        "circle._normalize_rows.default", "circle.class_loss.default"]
     e, y = torch.randn(33, 8, device=device), torch.randint(0, 64, (33,), device=device)
     torch.testing.assert_close(program.module()(e, y), head(e, y))
 
@@ -349,3 +350,26 @@ def test_memory_never_holds_batch_by_classes():
     assert out.returncode == 0, out.stderr
     grown = int(out.stdout)
     assert grown < 256 * 400_000 * 4 / 4, f"peak grew by {grown / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_normalize_rows_is_normalize_with_a_leaner_backward(device, dtype):
+    # The modules' normalisation of the class weights: the values and the
+    # gradient of torch.nn.functional.normalize(x, dim=1), zero rows included,
+    # held to the float64 gradient as tightly as normalize's own in the dtype.
+    x = torch.randn(50, 12, device=device, dtype=dtype)
+    x[7] = 0
+    x[9] = 1e-14  # below normalize's eps: divided by eps, no projection
+    dy = torch.randn_like(x)
+    grads = {}
+    for name, fn, d in (("ours", torch.ops.circle._normalize_rows, dtype),
+                        ("normalize", lambda t: F.normalize(t, dim=1), dtype),
+                        ("float64", lambda t: F.normalize(t, dim=1), torch.float64)):
+        leaf = x.to(d).clone().requires_grad_()
+        y = fn(leaf)
+        (y * dy.to(d)).sum().backward()
+        grads[name] = (y.detach(), leaf.grad)
+    torch.testing.assert_close(grads["ours"][0], grads["normalize"][0])
+    own_error = relative_error(grads["normalize"][1], grads["float64"][1])
+    assert relative_error(grads["ours"][1], grads["float64"][1]) <= max(2 * own_error, 1e-12)
+    torch.library.opcheck(torch.ops.circle._normalize_rows.default, (x.requires_grad_(),), test_utils=OPCHECK_TESTS)

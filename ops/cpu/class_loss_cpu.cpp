@@ -2,7 +2,7 @@
 // row i of F against the C class weights W, its own class y_i the one
 // positive, every other class a negative.
 //
-// The pairs are visited in tiles of S = F Wᵀ, kTile rows by kTile classes:
+// The pairs are visited in tiles of S = F Wᵀ, kRowTile rows by kTile classes:
 //   forward   each row's positive logit zp_i, from the one tile that holds
 //             column y_i, and (max, Σ exp(z - max)) of its negatives; then
 //             L_i = softplus(zp_i + LSE_N(i)).
@@ -17,6 +17,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
@@ -30,6 +31,18 @@ namespace circle_loss {
 namespace {
 
 using namespace cpu;
+
+// Rows of a tile. The tiles are not square, as the global and per-anchor
+// ops' are (their S is symmetric or its rows and columns alike): a batch of
+// up to 1024 rows meets each block of classes in one tile, so that dW_J =
+// Gᵀ F takes one product with K = B rather than one a block of 256 rows
+// accumulated into it, and every product is larger.
+constexpr int64_t kRowTile = 1024;
+
+// Rows of row block b of a (N, ...) tensor.
+at::Tensor rows_of(const at::Tensor& t, int64_t b) {
+  return t.narrow(0, b * kRowTile, std::min(kRowTile, t.size(0) - b * kRowTile));
+}
 
 // The tile of rows [row0, row0 + R) and classes [col0, col0 + C): where
 // each row's positive lies in it, if it does.
@@ -107,12 +120,18 @@ struct ClassInputs {
         w(weight.to(compute_dtype(features)).contiguous()),
         labels(labels_.to(at::kLong).contiguous()) {}
 
-  at::Tensor tile_of_s(int64_t bi, int64_t bj) const {
-    return at::mm(block_of(f, bi), block_of(w, bj).t()).contiguous();
+  // The tile (bi, bj) of S, written into the front of a task's own buffer:
+  // a fresh allocation a tile would be mapped and faulted in each time.
+  at::Tensor tile_of_s(int64_t bi, int64_t bj, at::Tensor& buffer) const {
+    const ClassTile t = tile(bi, bj);
+    if (!buffer.defined()) buffer = at::empty({kRowTile * kTile}, f.options());
+    at::Tensor s = buffer.narrow(0, 0, t.rows * t.cols).view({t.rows, t.cols});
+    return at::mm_out(s, rows_of(f, bi), block_of(w, bj).t());
   }
 
   ClassTile tile(int64_t bi, int64_t bj) const {
-    return {bi * kTile, bj * kTile, std::min(kTile, f.size(0) - bi * kTile), std::min(kTile, w.size(0) - bj * kTile)};
+    return {bi * kRowTile, bj * kTile, std::min(kRowTile, f.size(0) - bi * kRowTile),
+            std::min(kTile, w.size(0) - bj * kTile)};
   }
 };
 
@@ -134,12 +153,13 @@ std::tuple<at::Tensor, at::Tensor> class_loss_forward_cpu(
     const int64_t* y = in.labels.data_ptr<int64_t>();
     // zp: written by the one tile that holds the row's class, else -inf.
     std::vector<T> zp(batch, -std::numeric_limits<T>::infinity());
-    const ColumnGroups split = ColumnGroups::for_states(batch, weight.size(0));
+    const ColumnGroups split = ColumnGroups::for_states(batch, weight.size(0), kRowTile);
     std::vector<std::vector<LseState<double>>> shares(split.groups, std::vector<LseState<double>>(batch));
     for_each_task(split.row_blocks * split.groups, [&](int64_t t) {
       const int64_t bi = t / split.groups, g = t % split.groups;
+      at::Tensor buffer;
       for (int64_t bj = split.first(g); bj < split.first(g + 1); ++bj) {
-        at::Tensor s = in.tile_of_s(bi, bj);
+        at::Tensor s = in.tile_of_s(bi, bj, buffer);
         const ClassTile tile = in.tile(bi, bj);
         negative_logits(s.data_ptr<T>(), tile, y, logit, zp.data());
         merge_negatives(s.data_ptr<T>(), tile, shares[g].data());
@@ -193,6 +213,15 @@ void tile_gradient_weights(
   for (const auto& [k, weight] : positives) s[k] = weight;
 }
 
+// out (+)= a b: added where `accumulate`, else assigned.
+void add_product(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  if (accumulate) {
+    out.addmm_(a, b);
+  } else {
+    at::mm_out(out, a, b);
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> class_loss_backward_cpu(
     const at::Tensor& grad_losses, // (B,)
     const at::Tensor& features, // (B, D)
@@ -209,7 +238,11 @@ std::tuple<at::Tensor, at::Tensor> class_loss_backward_cpu(
   const ClassInputs in(features, labels, weight);
   const int64_t batch = features.size(0), dim = features.size(1);
   at::Tensor grad_f = features_grad ? at::zeros_like(in.f) : at::empty({0, dim}, in.f.options());
-  at::Tensor grad_w = weight_grad ? at::zeros_like(in.w) : at::empty({0, dim}, in.f.options());
+  // Each block of dW takes its first product (row block 0) by assignment,
+  // so dW starts empty, except where there are no rows to give one.
+  at::Tensor grad_w = !weight_grad ? at::empty({0, dim}, in.f.options())
+      : batch > 0                  ? at::empty_like(in.w)
+                                   : at::zeros_like(in.w);
   if (!features_grad && !weight_grad) {
     return {grad_f.to(features.scalar_type()), grad_w.to(features.scalar_type())};
   }
@@ -225,22 +258,23 @@ std::tuple<at::Tensor, at::Tensor> class_loss_backward_cpu(
       factor[i] = g.data_ptr<T>()[i] * anchor_row_grad_scale(zp, lse_n);
       lse_negative[i] = factor[i] == T(0) ? std::numeric_limits<T>::infinity() : lse_n;
     }
-    const auto weights = [&](int64_t bi, int64_t bj) {
-      at::Tensor s = in.tile_of_s(bi, bj);
+    const auto weights = [&](int64_t bi, int64_t bj, at::Tensor& buffer) {
+      at::Tensor s = in.tile_of_s(bi, bj, buffer);
       tile_gradient_weights(s.data_ptr<T>(), in.tile(bi, bj), y, factor.data(), lse_negative.data(), logit);
       return s;
     };
-    const ColumnGroups split = ColumnGroups::for_gradient(batch, weight.size(0));
+    const ColumnGroups split = ColumnGroups::for_gradient(batch, weight.size(0), kRowTile);
     if (split.groups > 1 && split.groups >= split.row_blocks) {
       // dW's blocks are each share's own; dF is summed share by share.
       const at::Tensor shares =
           at::zeros({features_grad ? split.groups - 1 : 0, batch, dim}, in.f.options());
       for_each_task(split.groups, [&](int64_t share) {
+        at::Tensor buffer;
         for (int64_t bj = split.first(share); bj < split.first(share + 1); ++bj) {
           for (int64_t bi = 0; bi < split.row_blocks; ++bi) {
-            const at::Tensor w = weights(bi, bj);
-            if (features_grad) block_of(share == 0 ? grad_f : shares[share - 1], bi).addmm_(w, block_of(in.w, bj));
-            if (weight_grad) block_of(grad_w, bj).addmm_(w.t(), block_of(in.f, bi));
+            const at::Tensor w = weights(bi, bj, buffer);
+            if (features_grad) rows_of(share == 0 ? grad_f : shares[share - 1], bi).addmm_(w, block_of(in.w, bj));
+            if (weight_grad) add_product(block_of(grad_w, bj), w.t(), rows_of(in.f, bi), bi > 0);
           }
         }
       });
@@ -251,15 +285,17 @@ std::tuple<at::Tensor, at::Tensor> class_loss_backward_cpu(
       // tiles of G twice where both are wanted.
       if (features_grad) {
         for_each_task(split.row_blocks, [&](int64_t bi) {
+          at::Tensor buffer;
           for (int64_t bj = 0; bj < split.col_blocks; ++bj) {
-            block_of(grad_f, bi).addmm_(weights(bi, bj), block_of(in.w, bj));
+            rows_of(grad_f, bi).addmm_(weights(bi, bj, buffer), block_of(in.w, bj));
           }
         });
       }
       if (weight_grad) {
         for_each_task(split.col_blocks, [&](int64_t bj) {
+          at::Tensor buffer;
           for (int64_t bi = 0; bi < split.row_blocks; ++bi) {
-            block_of(grad_w, bj).addmm_(weights(bi, bj).t(), block_of(in.f, bi));
+            add_product(block_of(grad_w, bj), weights(bi, bj, buffer).t(), rows_of(in.f, bi), bi > 0);
           }
         });
       }

@@ -260,17 +260,18 @@ struct ColumnGroups {
   // Column blocks [first(g), first(g + 1)) are share g's.
   int64_t first(int64_t g) const { return col_blocks * g / groups; }
 
-  // The row states: a task a (row block, share), kGroupedTasks of them.
-  static ColumnGroups for_states(int64_t rows, int64_t cols) {
-    const int64_t row_blocks = at::divup(rows, kTile);
+  // The row states: a task a (row block, share), kGroupedTasks of them;
+  // row blocks of row_tile rows, column blocks of kTile.
+  static ColumnGroups for_states(int64_t rows, int64_t cols, int64_t row_tile = kTile) {
+    const int64_t row_blocks = at::divup(rows, row_tile);
     return make(row_blocks, at::divup(cols, kTile), at::divup(kGroupedTasks, std::max<int64_t>(row_blocks, 1)));
   }
 
   // The gradient: a task a share, walking every row block, so that each tile
   // of W serves dQ and dR; worth it where the shares outnumber the row blocks.
-  static ColumnGroups for_gradient(int64_t rows, int64_t cols) {
+  static ColumnGroups for_gradient(int64_t rows, int64_t cols, int64_t row_tile = kTile) {
     const int64_t wanted = std::min(kGroupedTasks, kGroupedRows / std::max<int64_t>(rows, 1));
-    return make(at::divup(rows, kTile), at::divup(cols, kTile), wanted);
+    return make(at::divup(rows, row_tile), at::divup(cols, kTile), wanted);
   }
 
  private:

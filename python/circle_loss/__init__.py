@@ -1,15 +1,26 @@
-"""Circle Loss (Sun et al., CVPR 2020) as a fused PyTorch custom operator.
+"""Circle Loss (Sun et al., CVPR 2020) as fused PyTorch custom operators.
 
-Importing this package registers ``torch.ops.circle.loss`` (the global
-"unified" form) and ``torch.ops.circle.anchor_loss`` (the per-anchor form of
-pytorch-metric-learning's ``CircleLoss``); the functions and modules here are
-typed conveniences around them, and ``circle_loss.pml.CircleLoss`` is a drop-in
-for pytorch-metric-learning's class. The op never forms the B×B
-similarity matrix, never synchronises with the host, and works in eager mode,
-TorchScript, ``torch.compile`` and ``torch.export``.
+Importing this package registers the ops ``torch.ops.circle.loss`` (the
+global "unified" form over every pair of a batch), ``torch.ops.circle.anchor_loss``
+(pytorch-metric-learning's per-anchor form) and ``torch.ops.circle.class_loss``
+(the class-level form: rows against class weights). None forms the B×B (B×M,
+B×C) similarity matrix or synchronises with the host, and each works in
+eager mode, TorchScript, ``torch.compile``, ``torch.export`` and under
+``torch.func``.
+
+Which to use:
+    circle_loss(), CircleLoss           pair labels, the global form (features as given)
+    anchor_loss(), AnchorCircleLoss     pair labels, one loss per anchor (features as given)
+    class_loss(), ClassCircleLoss       class labels against class weights (the module normalises)
+    circle_loss.pml                     drop-ins for pytorch-metric-learning (normalise inside)
+    circle_loss.distributed             the three forms across processes
+
+Documentation: the README and docs/ of the source tree.
 """
 
 from __future__ import annotations
+
+from importlib.metadata import version
 
 import torch
 
@@ -17,6 +28,8 @@ from . import _func
 from ._library import library_path, load
 
 load()
+
+__version__: str = version("circle-loss")
 
 
 @torch.jit.unused
@@ -239,10 +252,12 @@ class ClassCircleLoss(torch.nn.Module):
         """(B, D) embeddings and (B,) integer labels in [0, num_classes) ->
         the 0-dim mean loss (0 for an empty batch)."""
         features = torch.nn.functional.normalize(embeddings, dim=1)
-        weight = torch.nn.functional.normalize(self.weight, dim=1)
-        if not torch.jit.is_scripting() and (_under_func_transform(features) or _under_func_transform(weight)):
+        if not torch.jit.is_scripting() and (_under_func_transform(features) or _under_func_transform(self.weight)):
+            weight = torch.nn.functional.normalize(self.weight, dim=1)
             losses = _func.class_loss(features, labels, weight, self.margin, self.gamma)
         else:
+            # normalize(weight) with a backward that holds one (C, D) buffer, not several.
+            weight = torch.ops.circle._normalize_rows(self.weight)
             losses = torch.ops.circle.class_loss(features, labels, weight, self.margin, self.gamma)
         return losses.sum() / max(losses.shape[0], 1)
 
@@ -252,6 +267,7 @@ class ClassCircleLoss(torch.nn.Module):
 
 
 __all__ = [
+    "__version__",
     "ANCHOR_DEFAULT_GAMMA",
     "ANCHOR_DEFAULT_MARGIN",
     "AnchorCircleLoss",

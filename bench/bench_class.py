@@ -1,0 +1,207 @@
+"""Side-by-side benchmark of the class-level form: circle_loss.ClassCircleLoss
+(normalise both sides, circle_loss.class_loss, the mean)
+against the eager CircleSoftmax users write (fast-reid's arithmetic: the B×C
+cosine logits, detached alphas, one-hot mix, cross-entropy) and
+torch.compile of it, forward and forward+backward (gradients to the
+embeddings and the class weights), with extra peak memory, and class_loss's
+time in GEMM-equivalents: over that of the GEMM X·Wᵀ of the same size, the
+two timed in alternating blocks.
+
+    python bench/bench_class.py                                   # CPU defaults
+    python bench/bench_class.py --device cuda --batch 1024 --dim 512 --classes 100000 1000000 --dtype bfloat16
+
+Prints a Markdown table and writes it with the raw rows (JSON) under --out.
+Timings are torch.utils.benchmark medians; nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+import circle_loss  # noqa: E402
+from bench import (  # noqa: E402  (bench/bench.py, beside this script)
+    _status_bytes,
+    cuda_extra_peak_bytes,
+    environment,
+    format_memory,
+    format_row,
+    format_time,
+    gemm_equivalents,
+    is_out_of_memory,
+    median_seconds,
+    paired_median_seconds,
+)
+
+MARGIN, GAMMA = circle_loss.CLASS_DEFAULT_MARGIN, circle_loss.CLASS_DEFAULT_GAMMA
+
+
+# The module's own arithmetic, its weight replaced by each call's w.
+HEAD = circle_loss.ClassCircleLoss(1, 1, MARGIN, GAMMA)
+
+
+def class_op(x, y, w):
+    return torch.func.functional_call(HEAD, {"weight": w}, (x, y))
+
+
+def circle_softmax(x, y, w):
+    """The eager head as fast-reid writes it: B×C logits and their copies."""
+    sim = F.linear(F.normalize(x), F.normalize(w))
+    alpha_p = torch.clamp_min(-sim.detach() + 1 + MARGIN, min=0.0)
+    alpha_n = torch.clamp_min(sim.detach() + MARGIN, min=0.0)
+    s_p = GAMMA * alpha_p * (sim - (1 - MARGIN))
+    s_n = GAMMA * alpha_n * (sim - MARGIN)
+    one_hot = F.one_hot(y, num_classes=w.shape[0]).to(sim.dtype)
+    return F.cross_entropy(one_hot * s_p + (1.0 - one_hot) * s_n, y)
+
+
+def methods() -> dict:
+    return {
+        "class_loss": class_op,
+        "eager CircleSoftmax": circle_softmax,
+        "compiled CircleSoftmax": torch.compile(circle_softmax, dynamic=False),
+    }
+
+
+def make_inputs(batch, classes, dim, device, dtype):
+    x = torch.randn(batch, dim, device=device, dtype=dtype)
+    w = torch.randn(classes, dim, device=device, dtype=dtype)
+    return x, torch.randint(0, classes, (batch,), device=device), w
+
+
+def step_of(fn, mode):
+    if mode == "fwd":
+        def forward(x, y, w):
+            with torch.no_grad():
+                return fn(x, y, w)
+        return forward
+    return lambda x, y, w: torch.autograd.grad(fn(x, y, w), [x, w])
+
+
+def cpu_extra_peak_bytes(method, mode, batch, classes, dim, dtype) -> int:
+    """Peak resident memory of one step beyond the inputs, in a fresh process."""
+    cmd = [sys.executable, __file__, "--cpu-memory-probe", method, mode, str(batch), str(classes), str(dim), dtype]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    return int(out.stdout.split()[-1]) if out.returncode == 0 else -1
+
+
+def cpu_memory_probe(method, mode, batch, classes, dim, dtype) -> None:
+    step = step_of(methods()[method], mode)
+    x, y, w = make_inputs(batch, classes, dim, "cpu", getattr(torch, dtype))
+    x.requires_grad_(mode == "fwd+bwd")
+    w.requires_grad_(mode == "fwd+bwd")
+    step(x, y, w)  # first-use allocations (and compilation)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _status_bytes("VmRSS")
+    step(x, y, w)
+    print(_status_bytes("VmHWM") - base)
+
+
+def run(args) -> list[dict]:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for classes in args.classes:
+        x, y, w = make_inputs(args.batch, classes, args.dim, device, dtype)
+        gemm = lambda a=x, b=w: a @ b.T  # noqa: E731
+        for name, fn in methods().items():
+            for mode in ("fwd", "fwd+bwd"):
+                row = dict(method=name, B=args.batch, C=classes, D=args.dim, dtype=args.dtype, mode=mode)
+                if name != "class_loss" and args.batch * classes > args.max_eager_pairs:
+                    row["skipped"] = "--max-eager-pairs"
+                    rows.append(row)
+                    continue
+                inputs = (x.clone().requires_grad_(), y, w.clone().requires_grad_()) if mode == "fwd+bwd" else (x, y, w)
+                call = lambda s=step_of(fn, mode), i=inputs: s(*i)  # noqa: E731
+                try:
+                    call()
+                    if name == "class_loss":
+                        row["seconds"], row["gemm_seconds"] = paired_median_seconds(call, gemm, args.min_run_time)
+                    else:
+                        row["seconds"] = median_seconds(call, args.min_run_time)
+                    if device.type == "cuda":
+                        row["peak_bytes"] = cuda_extra_peak_bytes(call)
+                    elif not args.no_cpu_memory:
+                        row["peak_bytes"] = cpu_extra_peak_bytes(name, mode, args.batch, classes, args.dim, args.dtype)
+                except Exception as error:
+                    if not is_out_of_memory(error):
+                        raise
+                    row["skipped"] = "out of memory"
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                print(format_row(row, f"B={args.batch} C={classes}"), flush=True)
+                rows.append(row)
+        del x, w
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def speedup(slow, fast) -> str:
+    if not slow or not fast or "seconds" not in slow or "seconds" not in fast:
+        return "—"
+    return f"{slow['seconds'] / fast['seconds']:.1f}×"
+
+
+def table(rows) -> str:
+    by_key = {(r["method"], r["C"], r["mode"]): r for r in rows}
+    lines = [
+        "| B | C | D | mode | class_loss | in GEMMs | eager CircleSoftmax | compiled | eager / class_loss | "
+        "compiled / class_loss | class_loss extra peak | eager extra peak | compiled extra peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for classes in sorted({r["C"] for r in rows}):
+        for mode in ("fwd", "fwd+bwd"):
+            ours, eager, compiled = (by_key.get((m, classes, mode)) for m in methods())
+            lines.append(
+                f"| {ours['B']} | {classes} | {ours['D']} | {mode} | {format_time(ours)} | {gemm_equivalents(ours)} | "
+                f"{format_time(eager)} | {format_time(compiled)} | {speedup(eager, ours)} | {speedup(compiled, ours)} | "
+                f"{format_memory(ours)} | {format_memory(eager)} | {format_memory(compiled)} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--classes", type=int, nargs="+", default=[1000, 10_000, 65_536, 262_144, 1_000_000])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
+    parser.add_argument("--max-eager-pairs", type=int, default=512 * 262_144,
+                        help="largest B·C at which the eager head's B×C matrices are attempted")
+    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
+    parser.add_argument("--no-cpu-memory", action="store_true", help="skip the fresh-process memory probes")
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
+    parser.add_argument("--cpu-memory-probe", nargs=6, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.cpu_memory_probe:
+        method, mode, batch, classes, dim, dtype = args.cpu_memory_probe
+        cpu_memory_probe(method, mode, int(batch), int(classes), int(dim), dtype)
+        return
+    torch.manual_seed(0)
+    rows = run(args)
+    env = environment(args)
+    md = table(rows)
+    print()
+    print(" ".join(f"{k}={v}" for k, v in env.items()))
+    print(md)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"bench_class_{args.device}_{args.dtype}"
+    stem.with_suffix(".json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
+    stem.with_suffix(".md").write_text(" ".join(f"{k}={v}" for k, v in env.items()) + "\n\n" + md + "\n")
+    print(f"\nwritten: {stem}.{{json,md}}")
+
+
+if __name__ == "__main__":
+    main()
