@@ -377,22 +377,29 @@ def plot(rows, path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
     first = rows[0].get("classes")  # one label distribution: the first one run
-    for method, style in (("op", "o-"), ("anchor", "d-."), ("eager", "s--"), ("compile", "^:")):
+    styles = (("op", "o-"), ("anchor", "d-."), ("eager", "s--"), ("compile", "^:"))
+    timed = [r for r in rows if "seconds" in r and r.get("classes") == first]
+    measured = [r for r in timed if r["mode"] == "fwd+bwd" and r.get("peak_bytes") not in (None, -1)]
+    # A memory panel only where memory was measured (--no-memory leaves none).
+    fig, axes = plt.subplots(1, 2 if measured else 1, figsize=(11 if measured else 6, 4.2), squeeze=False)
+    ax_t = axes[0][0]
+    for method, style in styles:
         for mode, alpha in (("fwd", 0.5), ("fwd+bwd", 1.0)):
-            pts = [r for r in rows if r["method"] == method and r["mode"] == mode and "seconds" in r
-                   and r.get("classes") == first]
+            pts = [r for r in timed if r["method"] == method and r["mode"] == mode]
             if pts:
                 ax_t.loglog([r["B"] for r in pts], [r["seconds"] * 1e3 for r in pts], style,
                             alpha=alpha, label=f"{method} {mode}")
-            mem = [r for r in pts if r.get("peak_bytes") not in (None, -1)]
-            if mem and mode == "fwd+bwd":
+    ax_t.set(xlabel="B", ylabel="median time (ms)", title=f"time ({first} classes)")
+    if measured:
+        ax_m = axes[0][1]
+        for method, style in styles:
+            mem = [r for r in measured if r["method"] == method]
+            if mem:
                 ax_m.loglog([r["B"] for r in mem], [max(r["peak_bytes"], 1) / 2**20 for r in mem], style,
                             label=method)
-    ax_t.set(xlabel="B", ylabel="median time (ms)", title=f"time ({first} classes)")
-    ax_m.set(xlabel="B", ylabel="extra peak memory, fwd+bwd (MiB)", title="memory")
-    for ax in (ax_t, ax_m):
+        ax_m.set(xlabel="B", ylabel="extra peak memory, fwd+bwd (MiB)", title="memory")
+    for ax in axes[0]:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -63,9 +63,15 @@ def circle_softmax(x, y, w):
     return F.cross_entropy(one_hot * s_p + (1.0 - one_hot) * s_n, y)
 
 
+def op_alone(x, y, w):
+    """The op on inputs already normalised (run() normalises them first)."""
+    return circle_loss.class_loss(x, y, w, MARGIN, GAMMA).mean()
+
+
 def methods() -> dict:
     return {
         "class_loss": class_op,
+        "op alone": op_alone,  # forward+backward only
         "eager CircleSoftmax": circle_softmax,
         "compiled CircleSoftmax": torch.compile(circle_softmax, dynamic=False),
     }
@@ -114,24 +120,29 @@ def run(args) -> list[dict]:
     for classes in args.classes:
         x, y, w = make_inputs(args.batch, classes, args.dim, device, dtype)
         gemm = lambda a=x, b=w: a @ b.T  # noqa: E731
+        normalised = (F.normalize(x, dim=1), y, F.normalize(w, dim=1))
         for name, fn in methods().items():
             for mode in ("fwd", "fwd+bwd"):
                 row = dict(method=name, B=args.batch, C=classes, D=args.dim, dtype=args.dtype, mode=mode)
+                if name == "op alone" and mode == "fwd":
+                    continue
                 if name != "class_loss" and args.batch * classes > args.max_eager_pairs:
                     row["skipped"] = "--max-eager-pairs"
                     rows.append(row)
                     continue
-                inputs = (x.clone().requires_grad_(), y, w.clone().requires_grad_()) if mode == "fwd+bwd" else (x, y, w)
+                raw = normalised if name == "op alone" else (x, y, w)
+                inputs = (raw[0].clone().requires_grad_(), y, raw[2].clone().requires_grad_()) if mode == "fwd+bwd" \
+                    else raw
                 call = lambda s=step_of(fn, mode), i=inputs: s(*i)  # noqa: E731
                 try:
                     call()
-                    if name == "class_loss":
+                    if name in ("class_loss", "op alone"):
                         row["seconds"], row["gemm_seconds"] = paired_median_seconds(call, gemm, args.min_run_time)
                     else:
                         row["seconds"] = median_seconds(call, args.min_run_time)
                     if device.type == "cuda":
                         row["peak_bytes"] = cuda_extra_peak_bytes(call)
-                    elif not args.no_cpu_memory:
+                    elif not args.no_cpu_memory and name != "op alone":
                         row["peak_bytes"] = cpu_extra_peak_bytes(name, mode, args.batch, classes, args.dim, args.dtype)
                 except Exception as error:
                     if not is_out_of_memory(error):
@@ -156,15 +167,16 @@ def speedup(slow, fast) -> str:
 def table(rows) -> str:
     by_key = {(r["method"], r["C"], r["mode"]): r for r in rows}
     lines = [
-        "| B | C | D | mode | class_loss | in GEMMs | eager CircleSoftmax | compiled | eager / class_loss | "
-        "compiled / class_loss | class_loss extra peak | eager extra peak | compiled extra peak |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| B | C | D | mode | ClassCircleLoss | in GEMMs | op alone in GEMMs | eager CircleSoftmax | compiled | "
+        "eager / ours | compiled / ours | our extra peak | eager extra peak | compiled extra peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for classes in sorted({r["C"] for r in rows}):
         for mode in ("fwd", "fwd+bwd"):
-            ours, eager, compiled = (by_key.get((m, classes, mode)) for m in methods())
+            ours, alone, eager, compiled = (by_key.get((m, classes, mode)) for m in methods())
             lines.append(
                 f"| {ours['B']} | {classes} | {ours['D']} | {mode} | {format_time(ours)} | {gemm_equivalents(ours)} | "
+                f"{gemm_equivalents(alone) if alone else '—'} | "
                 f"{format_time(eager)} | {format_time(compiled)} | {speedup(eager, ours)} | {speedup(compiled, ours)} | "
                 f"{format_memory(ours)} | {format_memory(eager)} | {format_memory(compiled)} |"
             )

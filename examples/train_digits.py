@@ -86,6 +86,40 @@ def plot(losses, embeddings, labels, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def train(loss_of_batch, optimizer, x_train, y_train, epochs: int, batch_size: int) -> tuple[list[float], float]:
+    """Shuffled minibatch steps of loss_of_batch(inputs, labels) with a
+    progress bar: each step's loss, and the seconds it all took."""
+    losses = []
+    start = time.perf_counter()
+    steps_per_epoch = -(-len(x_train) // batch_size)
+    with tqdm(total=epochs * steps_per_epoch, desc="training", unit="step") as bar:
+        for epoch in range(epochs):
+            permutation = torch.randperm(len(x_train), device=x_train.device)
+            for first in range(0, len(x_train), batch_size):
+                batch = permutation[first : first + batch_size]
+                loss = loss_of_batch(x_train[batch], y_train[batch])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+                bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}")
+                bar.update()
+    return losses, time.perf_counter() - start
+
+
+def report(encoder, x_test, y_test, before, losses, elapsed, args) -> None:
+    """Retrieval after training, the plot, and the lines the tests read."""
+    encoder.eval()
+    with torch.no_grad():
+        test_embeddings = encoder(x_test)
+    after = retrieval_metrics(test_embeddings, y_test)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    plot(losses, test_embeddings, y_test, args.out)
+    print(f"trained {args.epochs} epochs in {elapsed:.1f} s on {args.device}; plot: {args.out}")
+    print(f"MAP@R before {before[1]:.4f} after {after[1]:.4f}")
+    print(f"recall@1 before {before[0]:.4f} after {after[0]:.4f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=30)
@@ -116,32 +150,9 @@ def main() -> None:
     with torch.no_grad():
         before = retrieval_metrics(encoder(x_test), y_test)
 
-    losses = []
-    start = time.perf_counter()
-    steps_per_epoch = -(-len(x_train) // args.batch_size)
-    with tqdm(total=args.epochs * steps_per_epoch, desc="training", unit="step") as bar:
-        for epoch in range(args.epochs):
-            permutation = torch.randperm(len(x_train), device=args.device)
-            for first in range(0, len(x_train), args.batch_size):
-                batch = permutation[first : first + args.batch_size]
-                loss = loss_of_batch(x_train[batch], y_train[batch])
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                losses.append(loss.item())
-                bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}")
-                bar.update()
-    elapsed = time.perf_counter() - start
+    losses, elapsed = train(loss_of_batch, optimizer, x_train, y_train, args.epochs, args.batch_size)
 
-    encoder.eval()
-    with torch.no_grad():
-        test_embeddings = encoder(x_test)
-    after = retrieval_metrics(test_embeddings, y_test)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    plot(losses, test_embeddings, y_test, args.out)
-    print(f"trained {args.epochs} epochs in {elapsed:.1f} s on {args.device}; plot: {args.out}")
-    print(f"MAP@R before {before[1]:.4f} after {after[1]:.4f}")
-    print(f"recall@1 before {before[0]:.4f} after {after[0]:.4f}")
+    report(encoder, x_test, y_test, before, losses, elapsed, args)
 
 
 if __name__ == "__main__":

@@ -17,14 +17,12 @@ The last line printed is `recall@1 before <x> after <y>`.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 import circle_loss
-from train_digits import digits_split, make_encoder, plot, retrieval_metrics
+from train_digits import digits_split, make_encoder, report, retrieval_metrics, train
 
 
 def main() -> None:
@@ -49,32 +47,9 @@ def main() -> None:
 
     with torch.no_grad():
         before = retrieval_metrics(encoder(x_test), y_test)
-    losses = []
-    start = time.perf_counter()
-    steps_per_epoch = -(-len(x_train) // args.batch_size)
-    with tqdm(total=args.epochs * steps_per_epoch, desc="training", unit="step") as bar:
-        for epoch in range(args.epochs):
-            permutation = torch.randperm(len(x_train), device=args.device)
-            for first in range(0, len(x_train), args.batch_size):
-                batch = permutation[first : first + args.batch_size]
-                loss = head(encoder(x_train[batch]), y_train[batch])  # the head normalises both sides
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                losses.append(loss.item())
-                bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}")
-                bar.update()
-    elapsed = time.perf_counter() - start
-
-    encoder.eval()
-    with torch.no_grad():
-        test_embeddings = encoder(x_test)
-    after = retrieval_metrics(test_embeddings, y_test)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    plot(losses, test_embeddings, y_test, args.out)
-    print(f"trained {args.epochs} epochs in {elapsed:.1f} s on {args.device}; plot: {args.out}")
-    print(f"MAP@R before {before[1]:.4f} after {after[1]:.4f}")
-    print(f"recall@1 before {before[0]:.4f} after {after[0]:.4f}")
+    losses, elapsed = train(lambda x, y: head(encoder(x), y), optimizer, x_train, y_train, args.epochs,
+                            args.batch_size)  # the head normalises both sides
+    report(encoder, x_test, y_test, before, losses, elapsed, args)
 
 
 if __name__ == "__main__":

@@ -398,8 +398,20 @@ at::Tensor class_loss_autograd(
   return std::get<0>(class_loss_forward_below_autograd(features, labels, weight, margin, gamma));
 }
 
-// The losses alone: the forward's first output, one kernel for every
-// backend (CPU, CUDA, Meta).
+// The per-row ops' losses alone: their forward's first output, one kernel
+// for every backend (CPU, CUDA, Meta).
+at::Tensor anchor_loss_composite(
+    const at::Tensor& features, // (B, D)
+    const at::Tensor& labels, // (B,)
+    const std::optional<at::Tensor>& ref_features, // (M, D)?
+    const std::optional<at::Tensor>& ref_labels, // (M,)?
+    double margin,
+    double gamma,
+    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
+  return std::get<0>(anchor_loss_forward_below_autograd(
+      features, labels, ref_features, ref_labels, margin, gamma, ref_self_index, /*keep_diagonal_tiles=*/false));
+}
+
 at::Tensor class_loss_composite(
     const at::Tensor& features, // (B, D)
     const at::Tensor& labels, // (B,)
@@ -423,10 +435,12 @@ TORCH_LIBRARY_IMPL(circle, Autograd, m) {
   m.impl("class_loss", &class_loss_autograd);
 }
 
-// Plain ATen arithmetic: one kernel serves every backend, Meta included; CUDA
-// has a vectorized one of its own (circle_loss_cuda.cu).
+// One kernel for every backend, Meta included: _loss_backward is plain ATen
+// arithmetic (CUDA has a vectorized one of its own, circle_loss_cuda.cu), and
+// the per-row ops' loss-only kernels run their forward.
 TORCH_LIBRARY_IMPL(circle, CompositeExplicitAutograd, m) {
   m.impl("_loss_backward", &loss_backward);
+  m.impl("anchor_loss", &anchor_loss_composite);
   m.impl("class_loss", &class_loss_composite);
 }
 

@@ -77,18 +77,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_loss_forward_meta(
       at::empty_symint({diagonal ? batch : c10::SymInt(0), c10::SymInt(kCpuTile)}, accumulation)};
 }
 
-at::Tensor anchor_loss_meta(
-    const at::Tensor& features,
-    const at::Tensor& labels,
-    const std::optional<at::Tensor>& ref_features,
-    const std::optional<at::Tensor>& ref_labels,
-    double margin,
-    double gamma,
-    const std::optional<at::Tensor>& ref_self_index) {
-  return std::get<0>(
-      anchor_loss_forward_meta(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index, false));
-}
-
 std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_meta(
     const at::Tensor& grad_losses, // (B,)
     const at::Tensor& features, // (B, D)
@@ -163,7 +151,6 @@ std::tuple<at::Tensor, at::Tensor> class_loss_backward_meta(
 TORCH_LIBRARY_IMPL(circle, Meta, m) {
   m.impl("_class_loss_forward", &class_loss_forward_meta);
   m.impl("_class_loss_backward", &class_loss_backward_meta);
-  m.impl("anchor_loss", &anchor_loss_meta);
   m.impl("_anchor_loss_forward", &anchor_loss_forward_meta);
   m.impl("_anchor_loss_backward", &anchor_loss_backward_meta);
   m.impl("_anchor_loss_with_row_grads", &anchor_loss_with_row_grads_meta);

@@ -18,9 +18,10 @@ TORCH_LIBRARY(circle, m) {
   // rows of features, the pair (i, i) left out), docs/math.md. ref_self_index
   // (B,), only with ref_features: the reference row that is anchor i's own
   // copy (a memory bank's), whose pair is left out; an index outside [0, M)
-  // leaves none out. Kernels: CPU, CUDA and Meta compute the losses alone;
-  // the Autograd kernel routes through _anchor_loss_forward and
-  // _anchor_loss_backward, or _anchor_loss_with_row_grads.
+  // leaves none out. Kernels: one for every backend runs
+  // _anchor_loss_forward for the losses alone; the Autograd kernel routes
+  // through _anchor_loss_forward and _anchor_loss_backward, or
+  // _anchor_loss_with_row_grads.
   m.def(
       "anchor_loss(Tensor features, Tensor labels, Tensor? ref_features=None, Tensor? ref_labels=None, float margin=0.4, float gamma=80.0, Tensor? ref_self_index=None) -> Tensor");
   // -> (losses (B,), row_lse (B, 2), diagonal_tiles): row_lse holds each
@@ -50,8 +51,9 @@ TORCH_LIBRARY(circle, m) {
   // features against the C rows of weight (class proxies), the column
   // labels[i] its one positive, every other column a negative
   // (docs/math.md). A label outside [0, C) leaves the row without a positive
-  // and its loss 0. Kernels: CPU, CUDA and Meta through _class_loss_forward;
-  // the Autograd kernel routes through it and _class_loss_backward.
+  // and its loss 0. Kernels: one for every backend runs _class_loss_forward
+  // for the losses alone; the Autograd kernel routes through it and
+  // _class_loss_backward.
   m.def(
       "class_loss(Tensor features, Tensor labels, Tensor weight, float margin=0.25, float gamma=256.0) -> Tensor");
   // -> (losses (B,), row_lse (B, 2)): row i's (zp_i, LSE_N(i)) in the

@@ -160,12 +160,19 @@ def per_anchor(rank: int, world: int, device) -> dict:
         results[str(dtype)] = dict(losses=losses.detach().cpu(), grad=rows.grad.cpu(), mean=mean.detach().cpu(),
                                    mean_grad=module_rows.grad.cpu(), no_grad=no_grad.cpu())
     features, labels = global_batch(sum(sizes), 8, torch.float32, device)
-    rows = features[first : first + sizes[rank]].clone().requires_grad_(rank != 1)
-    try:
-        circle_loss.distributed.anchor_loss(rows, labels[first : first + sizes[rank]])
-        results["disagreement"] = "no error"
-    except RuntimeError as error:
-        results["disagreement"] = str(error)
+    own = labels[first : first + sizes[rank]]
+    cases = {
+        "disagreement": lambda: (features[first : first + sizes[rank]].clone().requires_grad_(rank != 1), own, 0.4),
+        "margin": lambda: (features[first : first + sizes[rank]], own, 0.5 if rank == 1 else 0.4),
+        "width": lambda: (features[first : first + sizes[rank], : 4 if rank == 1 else 8], own, 0.4),
+    }
+    for name, make in cases.items():
+        rows, row_labels, margin = make()
+        try:
+            circle_loss.distributed.anchor_loss(rows, row_labels, margin)
+            results[name] = "no error"
+        except RuntimeError as error:
+            results[name] = str(error)
     return results
 
 

@@ -116,13 +116,20 @@ def test_aot_inductor_package_runs(tmp_path):
     torch.testing.assert_close(runner(x, labels), model(x, labels))
 
 
-README_SNIPPETS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+# Every Python snippet of the README and of the docs pages, named by page and number.
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SNIPPETS = {
+    f"{page.relative_to(ROOT)}#{k}": code
+    for page in DOC_PAGES
+    for k, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))
+}
 
 
-@pytest.mark.parametrize("index", range(len(README_SNIPPETS)))
-def test_readme_snippet_runs(index, tmp_path):
-    run([sys.executable, "-c", README_SNIPPETS[index]], env=dict(os.environ, TMPDIR=str(tmp_path)))
+@pytest.mark.parametrize("name", sorted(SNIPPETS))
+def test_doc_snippet_runs(name, tmp_path):
+    run([sys.executable, "-c", SNIPPETS[name]], env=dict(os.environ, TMPDIR=str(tmp_path)))
 
 
-def test_readme_has_snippets():
-    assert len(README_SNIPPETS) >= 4
+def test_every_page_with_code_has_its_snippets_collected():
+    pages = {name.split("#")[0] for name in SNIPPETS}
+    assert {"README.md", "docs/usage.md", "docs/pml.md", "docs/distributed.md", "docs/deployment.md"} <= pages

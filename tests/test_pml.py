@@ -337,3 +337,36 @@ def test_import_circle_loss_does_not_need_pml():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "pml optional", out.stderr
+
+
+def test_class_level_head_is_a_pml_classification_loss(device):
+    # circle_loss.pml.ClassCircleLoss against the loss written from the math
+    # on PML's own pieces: W (embedding_size, num_classes), cosine
+    # normalisation of rows and classes, a miner's weights, the reducer,
+    # PML's weight regularizer.
+    from reference import class_loss_reference
+
+    loss_fn = circle_loss.pml.ClassCircleLoss(40, 16, m=0.3, gamma=32,
+                                              weight_regularizer=regularizers.RegularFaceRegularizer()).to(device)
+    loss_fn.W.data = loss_fn.W.data.double()
+    embeddings = torch.randn(64, 16, device=device, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 40, (64,), device=device)
+    loss = loss_fn(embeddings, labels)
+    loss.backward()
+    rows = torch.nn.functional.normalize(embeddings.detach(), dim=1)
+    classes = torch.nn.functional.normalize(loss_fn.W.detach().T, dim=1)
+    expected = class_loss_reference(rows, labels, classes, 0.3, 32.0).mean()
+    expected = expected + regularizers.RegularFaceRegularizer()(loss_fn.W.detach().T)
+    assert relative_error(loss.detach(), expected) <= 1e-10
+    assert loss_fn.W.grad is not None and embeddings.grad is not None
+    # A miner's pairs weight the rows as PML weights its classification losses.
+    miner_pairs = miners.MultiSimilarityMiner(epsilon=0.1)(embeddings.detach(), labels)
+    weighted = circle_loss.pml.ClassCircleLoss(40, 16, m=0.3, gamma=32).to(device)
+    weighted.W.data = loss_fn.W.data.clone()
+    from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
+    weights = lmu.convert_to_weights(miner_pairs, labels, dtype=torch.float64)
+    expected = (class_loss_reference(rows, labels, classes, 0.3, 32.0) * weights).mean()
+    assert relative_error(weighted(embeddings, labels, miner_pairs).detach(), expected) <= 1e-10
+    assert loss_fn.get_logits(embeddings).shape == (64, 40)
+    with pytest.raises(ValueError):
+        loss_fn(embeddings, labels, ref_emb=embeddings)  # no ref_emb, as PML's classification losses

@@ -561,18 +561,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_loss_forward_cpu(
       keep_diagonal_tiles);
 }
 
-at::Tensor anchor_loss_cpu(
-    const at::Tensor& features,
-    const at::Tensor& labels,
-    const std::optional<at::Tensor>& ref_features,
-    const std::optional<at::Tensor>& ref_labels,
-    double margin,
-    double gamma,
-    const std::optional<at::Tensor>& ref_self_index) {
-  return std::get<0>(
-      anchor_loss_forward_cpu(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index, false));
-}
-
 // (dQ (B, D), dR (M, D) if ref_grad, else (0, D)) in the compute dtype, for
 // the incoming gradient grad_losses (B,). diagonal_tiles: the forward's
 // (B, kTile), or undefined: the diagonal tiles of S are then formed again.
@@ -723,7 +711,6 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_cpu(
 } // namespace
 
 TORCH_LIBRARY_IMPL(circle, CPU, m) {
-  m.impl("anchor_loss", &anchor_loss_cpu);
   m.impl("_anchor_loss_forward", &anchor_loss_forward_cpu);
   m.impl("_anchor_loss_backward", &anchor_loss_backward_cpu);
   m.impl("_anchor_loss_with_row_grads", &anchor_loss_with_row_grads_cpu);

@@ -1218,18 +1218,6 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_cuda(
   return {losses, row_grads};
 }
 
-at::Tensor anchor_loss_cuda(
-    const at::Tensor& features,
-    const at::Tensor& labels,
-    const std::optional<at::Tensor>& ref_features,
-    const std::optional<at::Tensor>& ref_labels,
-    double margin,
-    double gamma,
-    const std::optional<at::Tensor>& ref_self_index) {
-  return std::get<0>(
-      anchor_loss_forward_cuda(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index, false));
-}
-
 std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cuda(
     const at::Tensor& grad_losses, // (B,)
     const at::Tensor& features, // (B, D)
@@ -1265,7 +1253,6 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cuda(
 } // namespace
 
 TORCH_LIBRARY_IMPL(circle, CUDA, m) {
-  m.impl("anchor_loss", &anchor_loss_cuda);
   m.impl("_anchor_loss_forward", &anchor_loss_forward_cuda);
   m.impl("_anchor_loss_backward", &anchor_loss_backward_cuda);
   m.impl("_anchor_loss_with_row_grads", &anchor_loss_with_row_grads_cuda);

@@ -139,16 +139,24 @@ _SHOWN = {
 }
 
 
-def _agreed_sizes(features, labels, margin, gamma, group, need_grad):
-    """_agree for the global form's arguments."""
+def _agreed_values(features, margin, gamma, **more):
+    """What every rank must pass alike: the width D and dtype of its
+    features (-1 where they are not (B, D) floating rows, which its own
+    check then names), margin, gamma, and `more`."""
     valid = isinstance(features, torch.Tensor) and features.dim() == 2 and features.dtype in _DTYPES
-    agreed = {
+    return {
         "D": features.shape[1] if valid else -1,
         "dtype": _DTYPES.index(features.dtype) if valid else -1,
         "margin": margin,
         "gamma": gamma,
+        **more,
     }
-    return _agree("loss", lambda: _check_local(features, labels, margin, gamma), features, agreed, group, need_grad)
+
+
+def _agreed_sizes(features, labels, margin, gamma, group, need_grad):
+    """_agree for the global form's arguments."""
+    return _agree("loss", lambda: _check_local(features, labels, margin, gamma), features,
+                  _agreed_values(features, margin, gamma), group, need_grad)
 
 
 def _loss_and_grad(features, labels, margin, gamma, group, need_grad):
@@ -257,14 +265,7 @@ def _class_states_and_grads(features, labels, weight, first_class, num_classes, 
         _check_local(features, labels, margin, gamma, "ClassCircleLoss")
         torch.ops.circle.class_loss(features.to("meta"), labels.to("meta"), weight.to("meta"), margin, gamma)
 
-    valid = isinstance(features, torch.Tensor) and features.dim() == 2 and features.dtype in _DTYPES
-    agreed = {
-        "D": features.shape[1] if valid else -1,
-        "dtype": _DTYPES.index(features.dtype) if valid else -1,
-        "margin": margin,
-        "gamma": gamma,
-        "num_classes": num_classes,
-    }
+    agreed = _agreed_values(features, margin, gamma, num_classes=num_classes)
     sizes, need_grad = _agree("ClassCircleLoss", check, features, agreed, group, need_grad)
     rank = dist.get_rank(group)
     all_features = _all_gather_rows(features.contiguous(), sizes, group)
@@ -429,14 +430,7 @@ def anchor_loss(
         _check_local(features, labels, margin, gamma, "anchor_loss")  # no group: the op's own error, at once
     margin, gamma = float(margin), float(gamma)
     need_grad = torch.is_grad_enabled() and features.requires_grad
-    valid = isinstance(features, torch.Tensor) and features.dim() == 2 and features.dtype in _DTYPES
-    agreed = {
-        "D": features.shape[1] if valid else -1,
-        "dtype": _DTYPES.index(features.dtype) if valid else -1,
-        "margin": margin,
-        "gamma": gamma,
-        "needs a gradient": float(need_grad),
-    }
+    agreed = _agreed_values(features, margin, gamma, **{"needs a gradient": float(need_grad)})
     hint = {"needs a gradient": (
         " (every rank's backward takes part in one collective, so rows need a gradient on every rank or on none: "
         "pass an empty shard as torch.empty(0, D, requires_grad=True), or call every rank under no_grad)")}
