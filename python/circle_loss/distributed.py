@@ -239,6 +239,8 @@ class CircleLoss(torch.nn.Module):
         self.group = group
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's (B_rank, D) features and (B_rank,) labels -> the
+        global loss, the same on every rank (see :func:`loss`)."""
         return loss(features, labels, self.margin, self.gamma, self.group)
 
     def extra_repr(self) -> str:
@@ -478,6 +480,9 @@ class AnchorCircleLoss(torch.nn.Module):
         self.group = group
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's (B_rank, D) features and (B_rank,) labels -> the mean
+        of the nonzero per-anchor losses over the global batch, the same on
+        every rank."""
         losses = anchor_loss(features, labels, self.margin, self.gamma, self.group)
         totals = torch.stack([losses.detach().sum(), (losses > 0).sum().to(losses.dtype)]).double()
         dist.all_reduce(totals, group=self.group)
