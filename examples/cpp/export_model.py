@@ -12,17 +12,19 @@ import circle_loss
 
 class EmbeddingLoss(torch.nn.Module):
     """A projection head and its Circle Losses, the global form plus the mean
-    per-anchor one: forward(features, labels) -> loss."""
+    per-anchor one plus the class-level head's: forward(features, labels) -> loss."""
 
     def __init__(self) -> None:
         super().__init__()
         self.head = torch.nn.Linear(32, 16)
         self.criterion = circle_loss.CircleLoss(margin=0.25, gamma=64.0)
         self.anchor_criterion = circle_loss.AnchorCircleLoss(margin=0.25, gamma=64.0)
+        self.class_head = circle_loss.ClassCircleLoss(num_classes=10, embedding_size=16, margin=0.25, gamma=64.0)
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         embeddings = torch.nn.functional.normalize(self.head(features), dim=1)
-        return self.criterion(embeddings, labels) + self.anchor_criterion(embeddings, labels)
+        return (self.criterion(embeddings, labels) + self.anchor_criterion(embeddings, labels)
+                + self.class_head(embeddings, labels))
 
 
 class Inputs(torch.nn.Module):

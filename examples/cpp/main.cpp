@@ -1,5 +1,5 @@
-// Runs a TorchScript model whose forward calls torch.ops.circle.loss and
-// torch.ops.circle.anchor_loss, with no Python at run time, and prints
+// Runs a TorchScript model whose forward calls torch.ops.circle.loss,
+// anchor_loss and class_loss, with no Python at run time, and prints
 // `loss <value>`; given an AOTInductor package of the same model exported
 // with torch.export, runs that too and prints `aoti loss <value>`.
 //
