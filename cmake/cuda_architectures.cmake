@@ -45,10 +45,11 @@ endfunction()
 
 function(circle_loss_cuda_architectures out)
   circle_loss_toolkit_architectures(toolkit)
-  if(DEFINED TORCH_CUDA_ARCH_LIST)
+  # Set but empty counts as unset, as it does for torch.
+  if(NOT "${TORCH_CUDA_ARCH_LIST}" STREQUAL "")
     set(requested "${TORCH_CUDA_ARCH_LIST}")
     set(source "TORCH_CUDA_ARCH_LIST")
-  elseif(DEFINED ENV{TORCH_CUDA_ARCH_LIST})
+  elseif(NOT "$ENV{TORCH_CUDA_ARCH_LIST}" STREQUAL "")
     set(requested "$ENV{TORCH_CUDA_ARCH_LIST}")
     set(source "TORCH_CUDA_ARCH_LIST")
   else()

@@ -7,7 +7,10 @@
 #   sanitize       compute-sanitizer memcheck and racecheck over the CUDA tests
 #   bench          bench/bench.py (fp32 sizes; label distributions in fp32, bf16, fp16 and TF32-allowed fp32)
 #   bench-anchor   bench/bench_anchor.py (the per-anchor op, the drop-ins and PML, memory-bank steps)
-#   distributed    with 2+ GPUs: the NCCL test and bench/bench_distributed.py
+#   bench-class    bench/bench_class.py (the class-level head against the eager CircleSoftmax, C = 10^5 and 10^6)
+#   distributed    with 2+ GPUs: the NCCL test and bench/bench_distributed.py (the three forms, PML's wrapper)
+# CIRCLE_LOSS_ARCH_LIST, when set, is the TORCH_CUDA_ARCH_LIST of the build
+# (e.g. "8.0+PTX" on an H200 runs the mma.sync path every non-Hopper GPU takes).
 # Logs are packed into $OUT/gpu_logs.tgz (or ./gpu_logs).
 #   bash scripts/gpu_check.sh [step ...]
 set -uo pipefail
@@ -27,13 +30,15 @@ steps=("$@")
 status=0
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-# Built exactly as the README's Install says, with whatever compiler the
-# environment gives: CMakeLists.txt makes any of them link the shared C++ runtime.
+# Built exactly as the README's install section says, with whatever compiler
+# the environment gives: CMakeLists.txt makes any of them link the shared C++
+# runtime.
 rm -rf build  # a cached CMake tree would keep its old compiler choice
 if [ -n "${CIRCLE_LOSS_LIBRARY:-}" ]; then
   # A library built by an earlier run on this kind of machine: use the sources' package.
   export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
 else
+  [ -z "${CIRCLE_LOSS_ARCH_LIST:-}" ] || export TORCH_CUDA_ARCH_LIST="$CIRCLE_LOSS_ARCH_LIST"
   python3 -m pip install --no-build-isolation --no-deps -v -C build.verbose=true . > "$out/build.log" 2>&1 \
     || { tail -40 "$out/build.log"; exit 1; }
   cp "$(python3 -c 'import circle_loss; print(circle_loss.library_path())')" "$out/"
@@ -85,14 +90,25 @@ for step in "${steps[@]}"; do
     distributed)  # needs 2+ GPUs
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
       run_pytest pytest_distributed 3 tests/test_distributed.py
-      torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" bench/bench_distributed.py \
-        --per-rank 4096 16384 --global 32768 --out "$out" 2>&1 | tee "$out/bench_distributed.log" | tail -16 ;;
+      for dtype in float32 bfloat16; do
+        torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" bench/bench_distributed.py --dtype "$dtype" \
+          --per-rank 4096 16384 --global 32768 --forms loss anchor --pml-wrapper 16384 --out "$out" 2>&1 \
+          | tee "$out/bench_distributed_$dtype.log" | tail -24
+        torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" bench/bench_distributed.py --dtype "$dtype" \
+          --per-rank 1024 --forms class --classes 2000000 --out "$out/class" 2>&1 \
+          | tee "$out/bench_distributed_class_$dtype.log" | tail -8
+      done ;;
     bench-anchor)
       python3 bench/bench_anchor.py --device cuda --sizes 256 4096 16384 65536 --refs 256:65536 1024:262144 \
         --banks 256:65536 1024:65536 \
         --classes 10 100 --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_anchor.log" | tail -45 ;;
+    bench-class)
+      for dtype in float32 bfloat16; do
+        python3 bench/bench_class.py --device cuda --batch 1024 --dim 512 --classes 100000 1000000 --dtype "$dtype" \
+          --max-eager-pairs 1100000000 --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_class_$dtype.log" | tail -8
+      done ;;
     bench)
-      # The README's float32 table, then the label distributions at B = 16384
+      # docs/performance.md's float32 table, then the label distributions at B = 16384
       # in float32, bfloat16 and float16 (also at 65536) and TF32-allowed float32.
       python3 bench/bench.py --device cuda --sizes 256 4096 16384 65536 262144 --max-reference-batch 16384 \
         --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_fp32.log" | tail -24
