@@ -32,11 +32,11 @@ namespace {
 
 using namespace cpu;
 
-// Rows of a tile. The tiles are not square, as the global and per-anchor
-// ops' are (their S is symmetric or its rows and columns alike): a batch of
-// up to 1024 rows meets each block of classes in one tile, so that dW_J =
-// Gᵀ F takes one product with K = B rather than one a block of 256 rows
-// accumulated into it, and every product is larger.
+// Rows of a tile. Unlike the global and per-anchor ops' square tiles (their
+// S is symmetric, or its rows and columns alike), a batch of up to 1024 rows
+// meets each block of classes in one tile, so that dW_J = Gᵀ F takes one
+// product with K = B rather than one a block of 256 rows accumulated into
+// it, and every product is larger.
 constexpr int64_t kRowTile = 1024;
 
 // Rows of row block b of a (N, ...) tensor.
