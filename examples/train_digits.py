@@ -120,18 +120,24 @@ def report(encoder, x_test, y_test, before, losses, elapsed, args) -> None:
     print(f"recall@1 before {before[0]:.4f} after {after[0]:.4f}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(doc: str, batch_size: int, plot_name: str) -> argparse.ArgumentParser:
+    """The options the digits examples share."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=batch_size)
     parser.add_argument("--embedding-dim", type=int, default=32)
     parser.add_argument("--margin", type=float, default=0.25)
     parser.add_argument("--gamma", type=float, default=64.0)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--compile", action="store_true", help="run the training step under torch.compile(fullgraph=True)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("out") / "train_digits.png")
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("out") / plot_name)
     parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main() -> None:
+    parser = arguments(__doc__, 256, "train_digits.png")
+    parser.add_argument("--compile", action="store_true", help="run the training step under torch.compile(fullgraph=True)")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)

@@ -16,27 +16,14 @@ The last line printed is `recall@1 before <x> after <y>`.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
 
 import circle_loss
-from train_digits import digits_split, make_encoder, report, retrieval_metrics, train
+from train_digits import arguments, digits_split, make_encoder, report, retrieval_metrics, train
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--embedding-dim", type=int, default=32)
-    parser.add_argument("--margin", type=float, default=0.25)
-    parser.add_argument("--gamma", type=float, default=64.0)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("out") / "train_digits_classes.png")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = arguments(__doc__, 128, "train_digits_classes.png").parse_args()
 
     torch.manual_seed(args.seed)
     x_train, x_test, y_train, y_test = digits_split(args.device, args.seed)

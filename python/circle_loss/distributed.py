@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import ClassCircleLoss as _OneProcessClassCircleLoss
 from . import (
     ANCHOR_DEFAULT_GAMMA,
     ANCHOR_DEFAULT_MARGIN,
@@ -320,7 +321,7 @@ class _DistributedClassLoss(torch.autograd.Function):
         return (grad_features * grad_loss, None, grad_weight * grad_loss, None, None, None, None, None)
 
 
-class ClassCircleLoss(torch.nn.Module):
+class ClassCircleLoss(_OneProcessClassCircleLoss):
     """The class-level Circle Loss head with its classes sharded across the
     ranks of a process group (model parallel, exact: no class sampling).
 
@@ -352,21 +353,14 @@ class ClassCircleLoss(torch.nn.Module):
         gamma: float = CLASS_DEFAULT_GAMMA,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        super().__init__()
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         counts = [len(shard) for shard in torch.tensor_split(torch.arange(num_classes), world)]
+        # The single-process head's parameter and initialisation, on this
+        # rank's classes (each row's distribution depends on D alone).
+        super().__init__(counts[rank], embedding_size, margin, gamma)
         self.class_range = (sum(counts[:rank]), sum(counts[: rank + 1]))
         self.num_classes = int(num_classes)
-        self.margin = float(margin)
-        self.gamma = float(gamma)
         self.group = group
-        self.weight = torch.nn.Parameter(torch.empty(counts[rank], embedding_size))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        # As circle_loss.ClassCircleLoss starts its weights (each row's
-        # distribution depends on the embedding size alone).
-        torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """(B_rank, D) embeddings and (B_rank,) labels in [0, num_classes) ->
