@@ -22,7 +22,8 @@ cd "$root"
 dest="${OUT:-$root/gpu_logs}"
 out="$(mktemp -d)"
 mkdir -p "$dest"
-trap 'tar czf "$dest/gpu_logs.tgz" -C "$out" . ; cp "$out"/*.md "$out"/*.png "$out"/*.so "$dest"/ 2>/dev/null' EXIT
+trap 'tar czf "$dest/gpu_logs.tgz" -C "$out" . ; cp "$out"/*.md "$out"/*.png "$dest"/ 2>/dev/null' EXIT
+trap 'exit 143' TERM INT  # a run stopped at its time limit still packs its logs
 mkdir -p "$out/classes"
 export PYTHONUNBUFFERED=1
 steps=("$@")
@@ -41,7 +42,7 @@ else
   [ -z "${CIRCLE_LOSS_ARCH_LIST:-}" ] || export TORCH_CUDA_ARCH_LIST="$CIRCLE_LOSS_ARCH_LIST"
   python3 -m pip install --no-build-isolation --no-deps -v -C build.verbose=true . > "$out/build.log" 2>&1 \
     || { tail -40 "$out/build.log"; exit 1; }
-  cp "$(python3 -c 'import circle_loss; print(circle_loss.library_path())')" "$out/"
+  cp "$(python3 -c 'import circle_loss; print(circle_loss.library_path())')" "$dest/"
 fi
 
 # pytest with its output in $out/NAME.log, the last LINES lines shown; a
