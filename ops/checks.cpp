@@ -1,5 +1,6 @@
-// The input contracts of circle::loss and circle::anchor_loss, checked in one place for every backend.
-#include "circle_loss.h"
+// The input contracts of the ops, checked in one place for every backend
+// (kernel_args.h: the adapters call them before any kernel runs).
+#include "kernel_args.h"
 
 #include <ATen/OpMathType.h>
 #include <c10/core/SymBool.h>
@@ -82,24 +83,14 @@ void check_margin_and_gamma(const char* op, double margin, double gamma, at::Sca
 
 } // namespace
 
-void check_inputs(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    double margin,
-    double gamma) {
-  check_rows("circle::loss", "features", "labels", "B", features, labels);
-  check_margin_and_gamma("circle::loss", margin, gamma, features.scalar_type());
+void check_inputs(const LossArgs& args) {
+  check_rows("circle::loss", "features", "labels", "B", args.features, args.labels);
+  check_margin_and_gamma("circle::loss", args.margin, args.gamma, args.features.scalar_type());
 }
 
-void check_anchor_inputs(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const std::optional<at::Tensor>& ref_features, // (M, D)?
-    const std::optional<at::Tensor>& ref_labels, // (M,)?
-    double margin,
-    double gamma,
-    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
+void check_anchor_inputs(const AnchorArgs& args) {
   constexpr const char* op = "circle::anchor_loss";
+  const auto& [features, labels, ref_features, ref_labels, margin, gamma, ref_self_index] = args;
   check_rows(op, "features", "labels", "B", features, labels);
   const bool has_features = is_given(ref_features);
   const bool has_labels = is_given(ref_labels);
@@ -152,13 +143,9 @@ void check_anchor_inputs(
   check_margin_and_gamma(op, margin, gamma, features.scalar_type());
 }
 
-void check_class_inputs(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const at::Tensor& weight, // (C, D)
-    double margin,
-    double gamma) {
+void check_class_inputs(const ClassArgs& args) {
   constexpr const char* op = "circle::class_loss";
+  const auto& [features, labels, weight, margin, gamma] = args;
   check_rows(op, "features", "labels", "B", features, labels);
   TORCH_CHECK(weight.defined(), op, ": weight must be a tensor of shape (C, D), got None");
   TORCH_CHECK(
@@ -219,15 +206,10 @@ void check_anchor_diagonal_tiles(
       op, ": diagonal_tiles must be on the device of features, got ", tiles.device(), " and ", features.device());
 }
 
-void check_block_inputs(
-    const at::Tensor& rows,
-    const at::Tensor& row_labels,
-    const at::Tensor& cols,
-    const at::Tensor& col_labels,
-    double margin,
-    double gamma) {
-  check_inputs(rows, row_labels, margin, gamma);
-  check_inputs(cols, col_labels, margin, gamma);
+void check_block_inputs(const BlockArgs& args) {
+  const auto& [rows, row_labels, cols, col_labels, margin, gamma] = args;
+  check_inputs({rows, row_labels, margin, gamma});
+  check_inputs({cols, col_labels, margin, gamma});
   TORCH_SYM_CHECK(
       rows.sym_size(1).sym_eq(cols.sym_size(1)),
       "circle: rows and cols must have the same width D, got ",

@@ -16,52 +16,6 @@
 
 namespace circle_loss {
 
-// Rejects anything outside the input contract (docs/math.md, "Inputs") with
-// an error naming the argument. Every kernel calls it, the Meta kernel
-// included, so eager calls and traced graphs (fake tensors, symbolic sizes)
-// refuse the same inputs alike.
-//   features: (B, D) float32/float64/float16/bfloat16
-//   labels:   (B,)   any integer dtype, same device as features
-void check_inputs(
-    const at::Tensor& features,
-    const at::Tensor& labels,
-    double margin,
-    double gamma);
-
-// The contract of the block ops: both blocks as check_inputs requires, with
-// the same width, dtype and device.
-//   rows: (R, D), row_labels: (R,), cols: (C, D), col_labels: (C,)
-void check_block_inputs(
-    const at::Tensor& rows,
-    const at::Tensor& row_labels,
-    const at::Tensor& cols,
-    const at::Tensor& col_labels,
-    double margin,
-    double gamma);
-
-// The contract of circle::anchor_loss: features and labels as check_inputs
-// requires; ref_features and ref_labels both given or both absent, and then
-// as check_inputs requires, with features' width, dtype and device;
-// ref_self_index only with them, integer, one entry per row of features, on
-// features' device (its values are not checked: one outside [0, M) leaves
-// no pair out, and checking them would wait for the device).
-//   features: (B, D), labels: (B,), ref_features: (M, D)?, ref_labels: (M,)?,
-//   ref_self_index: (B,)?
-void check_anchor_inputs(
-    const at::Tensor& features,
-    const at::Tensor& labels,
-    const std::optional<at::Tensor>& ref_features,
-    const std::optional<at::Tensor>& ref_labels,
-    double margin,
-    double gamma,
-    const std::optional<at::Tensor>& ref_self_index);
-
-// The contract of circle::class_loss: features and labels as check_inputs
-// requires, weight (C, D) with features' width, dtype and device.
-//   features: (B, D), labels: (B,), weight: (C, D)
-void check_class_inputs(const at::Tensor& features, const at::Tensor& labels, const at::Tensor& weight, double margin,
-                        double gamma);
-
 // Whether an optional tensor argument was given: None arrives as nullopt or,
 // through some callers, as an undefined tensor.
 inline bool is_given(const std::optional<at::Tensor>& tensor) {

@@ -1,7 +1,7 @@
 // Meta kernels: shapes and dtypes only, written with symbolic sizes so that
 // fake tensors, torch.compile(dynamic=True) and torch.export need no
 // Python-side registration.
-#include "circle_loss.h"
+#include "kernel_args.h"
 
 #include <ATen/OpMathType.h>
 #include <ATen/ops/empty.h>
@@ -10,67 +10,32 @@
 namespace circle_loss {
 namespace {
 
-at::Tensor loss_meta(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    double margin,
-    double gamma) {
-  check_inputs(features, labels, margin, gamma);
-  return at::empty({}, features.options());
-}
-
-std::tuple<at::Tensor, at::Tensor> loss_with_grad_meta(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    double margin,
-    double gamma) {
-  check_inputs(features, labels, margin, gamma);
+std::tuple<at::Tensor, at::Tensor> loss_and_grad_meta(const LossArgs& args, bool with_grad) {
+  const at::Tensor& features = args.features;
   return {
       at::empty({}, features.options()),
-      at::empty_symint(features.sym_sizes(), features.options())};
+      with_grad ? at::empty_symint(features.sym_sizes(), features.options()) : at::Tensor()};
 }
 
-at::Tensor lse_partials_meta(
-    const at::Tensor& rows, // (R, D)
-    const at::Tensor& row_labels, // (R,)
-    const at::Tensor& cols, // (C, D)
-    const at::Tensor& col_labels, // (C,)
-    double margin,
-    double gamma) {
-  check_block_inputs(rows, row_labels, cols, col_labels, margin, gamma);
-  return at::empty({4}, rows.options().dtype(at::kDouble));
+at::Tensor lse_partials_meta(const BlockArgs& args) {
+  return at::empty({4}, args.rows.options().dtype(at::kDouble));
 }
 
 at::Tensor lse_finish_meta(const at::Tensor& partials) { // (n, 4)
   return at::empty({4}, partials.options());
 }
 
-at::Tensor block_grad_meta(
-    const at::Tensor& rows, // (R, D)
-    const at::Tensor& row_labels, // (R,)
-    const at::Tensor& cols, // (C, D)
-    const at::Tensor& col_labels, // (C,)
-    const at::Tensor& scalars, // (4,)
-    double margin,
-    double gamma) {
-  check_block_inputs(rows, row_labels, cols, col_labels, margin, gamma);
-  const auto accumulate = rows.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  return at::empty_symint(rows.sym_sizes(), rows.options().dtype(accumulate));
+at::Tensor block_grad_meta(const BlockArgs& args, const at::Tensor& /*scalars*/) {
+  const at::Tensor& rows = args.rows;
+  return at::empty_symint(rows.sym_sizes(), rows.options().dtype(at::toOpMathType(rows.scalar_type())));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_loss_forward_meta(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const std::optional<at::Tensor>& ref_features, // (M, D)?
-    const std::optional<at::Tensor>& ref_labels, // (M,)?
-    double margin,
-    double gamma,
-    const std::optional<at::Tensor>& ref_self_index, // (B,)?
-    bool keep_diagonal_tiles) {
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+    const AnchorArgs& args, bool keep_diagonal_tiles) {
+  const at::Tensor& features = args.features;
   const c10::SymInt batch = features.sym_size(0);
   const at::TensorOptions accumulation = features.options().dtype(at::toOpMathType(features.scalar_type()));
-  const bool diagonal = keep_diagonal_tiles && !is_given(ref_features);
+  const bool diagonal = keep_diagonal_tiles && !args.has_ref();
   return {
       at::empty_symint({batch}, features.options()),
       at::empty_symint({batch, 2}, accumulation),
@@ -78,48 +43,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_loss_forward_meta(
 }
 
 std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_meta(
-    const at::Tensor& grad_losses, // (B,)
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const std::optional<at::Tensor>& ref_features, // (M, D)?
-    const std::optional<at::Tensor>& ref_labels, // (M,)?
-    const at::Tensor& row_lse, // (B, 2)
-    double margin,
-    double gamma,
-    const std::optional<at::Tensor>& ref_self_index, // (B,)?
-    bool ref_grad,
-    const std::optional<at::Tensor>& diagonal_tiles) { // (B, kCpuTile)?
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
-  check_row_lse_backward_inputs("circle::_anchor_loss_backward", grad_losses, features, row_lse);
-  const bool has_ref = is_given(ref_features);
-  check_anchor_diagonal_tiles(diagonal_tiles, features, has_ref);
+    const at::Tensor& /*grad_losses*/, const AnchorArgs& args, const at::Tensor& /*row_lse*/, bool ref_grad,
+    const std::optional<at::Tensor>& /*diagonal_tiles*/) {
+  const at::Tensor& features = args.features;
   return {
       at::empty_symint(features.sym_sizes(), features.options()),
-      has_ref && ref_grad ? at::empty_symint(ref_features->sym_sizes(), features.options())
-                          : at::empty_symint({0, features.sym_size(1)}, features.options())};
+      args.has_ref() && ref_grad ? at::empty_symint(args.ref_features->sym_sizes(), features.options())
+                                 : at::empty_symint({0, features.sym_size(1)}, features.options())};
 }
 
-std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_meta(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const at::Tensor& ref_features, // (M, D)
-    const at::Tensor& ref_labels, // (M,)
-    double margin,
-    double gamma,
-    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_meta(const AnchorArgs& args) {
+  const at::Tensor& features = args.features;
   return {
       at::empty_symint({features.sym_size(0)}, features.options()),
       at::empty_symint(features.sym_sizes(), features.options().dtype(at::toOpMathType(features.scalar_type())))};
 }
 
-std::tuple<at::Tensor, at::Tensor> class_loss_forward_meta(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const at::Tensor& weight, // (C, D)
-    double margin,
-    double gamma) {
-  check_class_inputs(features, labels, weight, margin, gamma);
+std::tuple<at::Tensor, at::Tensor> class_loss_forward_meta(const ClassArgs& args) {
+  const at::Tensor& features = args.features;
   const c10::SymInt batch = features.sym_size(0);
   return {
       at::empty_symint({batch}, features.options()),
@@ -127,38 +68,23 @@ std::tuple<at::Tensor, at::Tensor> class_loss_forward_meta(
 }
 
 std::tuple<at::Tensor, at::Tensor> class_loss_backward_meta(
-    const at::Tensor& grad_losses, // (B,)
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const at::Tensor& weight, // (C, D)
-    const at::Tensor& row_lse, // (B, 2)
-    double margin,
-    double gamma,
-    bool features_grad,
+    const at::Tensor& /*grad_losses*/, const ClassArgs& args, const at::Tensor& /*row_lse*/, bool features_grad,
     bool weight_grad) {
-  check_class_inputs(features, labels, weight, margin, gamma);
-  check_row_lse_backward_inputs("circle::_class_loss_backward", grad_losses, features, row_lse);
+  const at::Tensor& features = args.features;
   const c10::SymInt dim = features.sym_size(1);
   return {
       features_grad ? at::empty_symint(features.sym_sizes(), features.options())
                     : at::empty_symint({0, dim}, features.options()),
-      weight_grad ? at::empty_symint(weight.sym_sizes(), features.options())
+      weight_grad ? at::empty_symint(args.weight.sym_sizes(), features.options())
                   : at::empty_symint({0, dim}, features.options())};
 }
 
 } // namespace
 
 TORCH_LIBRARY_IMPL(circle, Meta, m) {
-  m.impl("_class_loss_forward", &class_loss_forward_meta);
-  m.impl("_class_loss_backward", &class_loss_backward_meta);
-  m.impl("_anchor_loss_forward", &anchor_loss_forward_meta);
-  m.impl("_anchor_loss_backward", &anchor_loss_backward_meta);
-  m.impl("_anchor_loss_with_row_grads", &anchor_loss_with_row_grads_meta);
-  m.impl("loss", &loss_meta);
-  m.impl("_loss_with_grad", &loss_with_grad_meta);
-  m.impl("_lse_partials", &lse_partials_meta);
-  m.impl("_lse_finish", &lse_finish_meta);
-  m.impl("_block_grad", &block_grad_meta);
+  register_global_kernels<loss_and_grad_meta, lse_partials_meta, lse_finish_meta, block_grad_meta>(m);
+  register_anchor_kernels<anchor_loss_forward_meta, anchor_loss_backward_meta, anchor_loss_with_row_grads_meta>(m);
+  register_class_kernels<class_loss_forward_meta, class_loss_backward_meta>(m);
 }
 
 } // namespace circle_loss

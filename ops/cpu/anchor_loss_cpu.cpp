@@ -485,12 +485,8 @@ struct AnchorInputs {
   }
 };
 
-AnchorInputs prepare_anchor_inputs(
-    const at::Tensor& features,
-    const at::Tensor& labels,
-    const std::optional<at::Tensor>& ref_features,
-    const std::optional<at::Tensor>& ref_labels,
-    const std::optional<at::Tensor>& ref_self_index) {
+AnchorInputs prepare_anchor_inputs(const AnchorArgs& args) {
+  const auto& [features, labels, ref_features, ref_labels, margin, gamma, ref_self_index] = args;
   AnchorInputs in;
   in.self = !is_given(ref_features);
   in.q = features.to(compute_dtype(features)).contiguous();
@@ -546,19 +542,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_losses(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_loss_forward_cpu(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const std::optional<at::Tensor>& ref_features, // (M, D)?
-    const std::optional<at::Tensor>& ref_labels, // (M,)?
-    double margin,
-    double gamma,
-    const std::optional<at::Tensor>& ref_self_index, // (B,)?
-    bool keep_diagonal_tiles) {
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+    const AnchorArgs& args, bool keep_diagonal_tiles) {
   const NoAutocast no_autocast;
-  return anchor_losses(
-      prepare_anchor_inputs(features, labels, ref_features, ref_labels, ref_self_index), features, margin, gamma,
-      keep_diagonal_tiles);
+  return anchor_losses(prepare_anchor_inputs(args), args.features, args.margin, args.gamma, keep_diagonal_tiles);
 }
 
 // (dQ (B, D), dR (M, D) if ref_grad, else (0, D)) in the compute dtype, for
@@ -665,55 +651,33 @@ std::tuple<at::Tensor, at::Tensor> anchor_gradients(
 }
 
 std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cpu(
-    const at::Tensor& grad_losses, // (B,)
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const std::optional<at::Tensor>& ref_features, // (M, D)?
-    const std::optional<at::Tensor>& ref_labels, // (M,)?
-    const at::Tensor& row_lse, // (B, 2)
-    double margin,
-    double gamma,
-    const std::optional<at::Tensor>& ref_self_index, // (B,)?
-    bool ref_grad,
-    const std::optional<at::Tensor>& diagonal_tiles) { // (B, kTile)?
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
-  check_row_lse_backward_inputs("circle::_anchor_loss_backward", grad_losses, features, row_lse);
-  check_anchor_diagonal_tiles(diagonal_tiles, features, is_given(ref_features));
+    const at::Tensor& grad_losses, const AnchorArgs& args, const at::Tensor& row_lse, bool ref_grad,
+    const std::optional<at::Tensor>& diagonal_tiles) {
   const NoAutocast no_autocast;
-  const AnchorInputs in = prepare_anchor_inputs(features, labels, ref_features, ref_labels, ref_self_index);
   const auto [grad_q, grad_r] = anchor_gradients(
-      in, grad_losses, row_lse, margin, gamma, ref_grad,
+      prepare_anchor_inputs(args), grad_losses, row_lse, args.margin, args.gamma, ref_grad,
       is_given(diagonal_tiles) ? *diagonal_tiles : at::Tensor());
-  return {grad_q.to(features.scalar_type()), grad_r.to(features.scalar_type())};
+  const at::ScalarType dtype = args.features.scalar_type();
+  return {grad_q.to(dtype), grad_r.to(dtype)};
 }
 
 // Row i of dL/dQ is dL_i/dq_i (the references are another set): the
 // gradient for an incoming gradient of ones. The tiles of S are formed twice,
 // as forward and backward would; the backward is then a rescale.
-std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_cpu(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const at::Tensor& ref_features, // (M, D)
-    const at::Tensor& ref_labels, // (M,)
-    double margin,
-    double gamma,
-    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_cpu(const AnchorArgs& args) {
   const NoAutocast no_autocast;
-  const AnchorInputs in = prepare_anchor_inputs(features, labels, ref_features, ref_labels, ref_self_index);
-  const auto forward = anchor_losses(in, features, margin, gamma, /*keep_diagonal_tiles=*/false);
-  const at::Tensor ones = at::ones({features.size(0)}, in.q.options());
+  const AnchorInputs in = prepare_anchor_inputs(args);
+  const auto forward = anchor_losses(in, args.features, args.margin, args.gamma, /*keep_diagonal_tiles=*/false);
+  const at::Tensor ones = at::ones({args.features.size(0)}, in.q.options());
   const at::Tensor& row_lse = std::get<1>(forward);
   return {std::get<0>(forward),
-          std::get<0>(anchor_gradients(in, ones, row_lse, margin, gamma, /*ref_grad=*/false, at::Tensor()))};
+          std::get<0>(anchor_gradients(in, ones, row_lse, args.margin, args.gamma, /*ref_grad=*/false, at::Tensor()))};
 }
 
 } // namespace
 
 TORCH_LIBRARY_IMPL(circle, CPU, m) {
-  m.impl("_anchor_loss_forward", &anchor_loss_forward_cpu);
-  m.impl("_anchor_loss_backward", &anchor_loss_backward_cpu);
-  m.impl("_anchor_loss_with_row_grads", &anchor_loss_with_row_grads_cpu);
+  register_anchor_kernels<anchor_loss_forward_cpu, anchor_loss_backward_cpu, anchor_loss_with_row_grads_cpu>(m);
 }
 
 } // namespace circle_loss

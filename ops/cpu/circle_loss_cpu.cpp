@@ -453,13 +453,8 @@ at::Tensor loss_tensor(double loss, const at::Tensor& features) {
 
 // The loss, and with with_grad dloss/dfeatures (else an undefined tensor):
 // the one entry point behind both registered kernels.
-std::tuple<at::Tensor, at::Tensor> loss_and_grad_cpu(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    double margin,
-    double gamma,
-    bool with_grad) {
-  check_inputs(features, labels, margin, gamma);
+std::tuple<at::Tensor, at::Tensor> loss_and_grad_cpu(const LossArgs& args, bool with_grad) {
+  const auto& [features, labels, margin, gamma] = args;
   const NoAutocast no_autocast;
   const at::Tensor f = features.to(compute_dtype(features)).contiguous();
   const at::Tensor ids = class_ids({labels})[0];
@@ -481,26 +476,8 @@ std::tuple<at::Tensor, at::Tensor> loss_and_grad_cpu(
   return {loss_tensor(loss, features), grad};
 }
 
-at::Tensor loss_cpu(const at::Tensor& features, const at::Tensor& labels, double margin, double gamma) {
-  return std::get<0>(loss_and_grad_cpu(features, labels, margin, gamma, /*with_grad=*/false));
-}
-
-std::tuple<at::Tensor, at::Tensor> loss_with_grad_cpu(
-    const at::Tensor& features,
-    const at::Tensor& labels,
-    double margin,
-    double gamma) {
-  return loss_and_grad_cpu(features, labels, margin, gamma, /*with_grad=*/true);
-}
-
-at::Tensor lse_partials_cpu(
-    const at::Tensor& rows, // (R, D)
-    const at::Tensor& row_labels, // (R,)
-    const at::Tensor& cols, // (C, D)
-    const at::Tensor& col_labels, // (C,)
-    double margin,
-    double gamma) {
-  check_block_inputs(rows, row_labels, cols, col_labels, margin, gamma);
+at::Tensor lse_partials_cpu(const BlockArgs& args) {
+  const auto& [rows, row_labels, cols, col_labels, margin, gamma] = args;
   const NoAutocast no_autocast;
   const at::Tensor r = rows.to(compute_dtype(rows)).contiguous();
   const at::Tensor c = cols.to(compute_dtype(cols)).contiguous();
@@ -526,17 +503,9 @@ at::Tensor lse_finish_cpu(const at::Tensor& partials) { // (n, 4)
   return out;
 }
 
-at::Tensor block_grad_cpu(
-    const at::Tensor& rows, // (R, D)
-    const at::Tensor& row_labels, // (R,)
-    const at::Tensor& cols, // (C, D)
-    const at::Tensor& col_labels, // (C,)
-    const at::Tensor& scalars, // (4,)
-    double margin,
-    double gamma) {
-  check_block_inputs(rows, row_labels, cols, col_labels, margin, gamma);
+at::Tensor block_grad_cpu(const BlockArgs& args, const at::Tensor& scalars) { // scalars: (4,)
+  const auto& [rows, row_labels, cols, col_labels, margin, gamma] = args;
   const NoAutocast no_autocast;
-  check_scalars(scalars, rows.device());
   const at::Tensor r = rows.to(compute_dtype(rows)).contiguous();
   const at::Tensor c = cols.to(compute_dtype(cols)).contiguous();
   const auto ids = class_ids({row_labels, col_labels});
@@ -553,11 +522,7 @@ at::Tensor block_grad_cpu(
 } // namespace
 
 TORCH_LIBRARY_IMPL(circle, CPU, m) {
-  m.impl("loss", &loss_cpu);
-  m.impl("_loss_with_grad", &loss_with_grad_cpu);
-  m.impl("_lse_partials", &lse_partials_cpu);
-  m.impl("_lse_finish", &lse_finish_cpu);
-  m.impl("_block_grad", &block_grad_cpu);
+  register_global_kernels<loss_and_grad_cpu, lse_partials_cpu, lse_finish_cpu, block_grad_cpu>(m);
 }
 
 } // namespace circle_loss

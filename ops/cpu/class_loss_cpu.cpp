@@ -135,13 +135,8 @@ struct ClassInputs {
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> class_loss_forward_cpu(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const at::Tensor& weight, // (C, D)
-    double margin,
-    double gamma) {
-  check_class_inputs(features, labels, weight, margin, gamma);
+std::tuple<at::Tensor, at::Tensor> class_loss_forward_cpu(const ClassArgs& args) {
+  const auto& [features, labels, weight, margin, gamma] = args;
   const NoAutocast no_autocast;
   const ClassInputs in(features, labels, weight);
   const int64_t batch = features.size(0);
@@ -223,17 +218,9 @@ void add_product(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool 
 }
 
 std::tuple<at::Tensor, at::Tensor> class_loss_backward_cpu(
-    const at::Tensor& grad_losses, // (B,)
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const at::Tensor& weight, // (C, D)
-    const at::Tensor& row_lse, // (B, 2)
-    double margin,
-    double gamma,
-    bool features_grad,
+    const at::Tensor& grad_losses, const ClassArgs& args, const at::Tensor& row_lse, bool features_grad,
     bool weight_grad) {
-  check_class_inputs(features, labels, weight, margin, gamma);
-  check_row_lse_backward_inputs("circle::_class_loss_backward", grad_losses, features, row_lse);
+  const auto& [features, labels, weight, margin, gamma] = args;
   const NoAutocast no_autocast;
   const ClassInputs in(features, labels, weight);
   const int64_t batch = features.size(0), dim = features.size(1);
@@ -307,8 +294,7 @@ std::tuple<at::Tensor, at::Tensor> class_loss_backward_cpu(
 } // namespace
 
 TORCH_LIBRARY_IMPL(circle, CPU, m) {
-  m.impl("_class_loss_forward", &class_loss_forward_cpu);
-  m.impl("_class_loss_backward", &class_loss_backward_cpu);
+  register_class_kernels<class_loss_forward_cpu, class_loss_backward_cpu>(m);
 }
 
 } // namespace circle_loss

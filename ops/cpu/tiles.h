@@ -2,7 +2,7 @@
 // tile size, the task loop, the compute dtype, and labels as class ids.
 #pragma once
 
-#include "../circle_loss.h"
+#include "../kernel_args.h"
 #include "vector_loops.h"
 
 #include <ATen/Dispatch.h>

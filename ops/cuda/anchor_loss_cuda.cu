@@ -1163,16 +1163,9 @@ constexpr const char* kNoDiagonalTiles =
     "diagonal_tiles are kept by the CPU kernels only: the CUDA kernels form S in strips and keep none of it";
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_loss_forward_cuda(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const std::optional<at::Tensor>& ref_features, // (M, D)?
-    const std::optional<at::Tensor>& ref_labels, // (M,)?
-    double margin,
-    double gamma,
-    const std::optional<at::Tensor>& ref_self_index, // (B,)?
-    bool keep_diagonal_tiles) {
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
-  const bool self = !is_given(ref_features);
+    const AnchorArgs& args, bool keep_diagonal_tiles) {
+  const auto& [features, labels, ref_features, ref_labels, margin, gamma, ref_self_index] = args;
+  const bool self = !args.has_ref();
   TORCH_CHECK(!(keep_diagonal_tiles && self), "circle::_anchor_loss_forward: keep_diagonal_tiles=True: ", kNoDiagonalTiles);
   const NoAutocast no_autocast;
   const c10::cuda::CUDAGuard guard(features.device());
@@ -1192,19 +1185,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> anchor_loss_forward_cuda(
   return {losses, row_lse, no_tiles};
 }
 
-std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_cuda(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const at::Tensor& ref_features, // (M, D)
-    const at::Tensor& ref_labels, // (M,)
-    double margin,
-    double gamma,
-    const std::optional<at::Tensor>& ref_self_index) { // (B,)?
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
+std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_cuda(const AnchorArgs& args) {
+  const auto& [features, labels, ref_features, ref_labels, margin, gamma, ref_self_index] = args;
   const NoAutocast no_autocast;
   const c10::cuda::CUDAGuard guard(features.device());
   const KernelRows q = kernel_rows(features, labels);
-  const KernelRows r = kernel_rows(ref_features, ref_labels);
+  const KernelRows r = kernel_rows(*ref_features, *ref_labels);
   at::Tensor losses = at::empty({q.size()}, features.options());
   at::Tensor row_grads =
       at::empty({q.size(), features.size(1)}, features.options().dtype(at::toOpMathType(features.scalar_type())));
@@ -1219,21 +1205,10 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_cuda(
 }
 
 std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cuda(
-    const at::Tensor& grad_losses, // (B,)
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    const std::optional<at::Tensor>& ref_features, // (M, D)?
-    const std::optional<at::Tensor>& ref_labels, // (M,)?
-    const at::Tensor& row_lse, // (B, 2)
-    double margin,
-    double gamma,
-    const std::optional<at::Tensor>& ref_self_index, // (B,)?
-    bool ref_grad,
-    const std::optional<at::Tensor>& diagonal_tiles) { // (B, kCpuTile)?
-  check_anchor_inputs(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index);
-  check_row_lse_backward_inputs("circle::_anchor_loss_backward", grad_losses, features, row_lse);
-  const bool self = !is_given(ref_features);
-  check_anchor_diagonal_tiles(diagonal_tiles, features, !self);
+    const at::Tensor& grad_losses, const AnchorArgs& args, const at::Tensor& row_lse, bool ref_grad,
+    const std::optional<at::Tensor>& diagonal_tiles) {
+  const auto& [features, labels, ref_features, ref_labels, margin, gamma, ref_self_index] = args;
+  const bool self = !args.has_ref();
   TORCH_CHECK(!is_given(diagonal_tiles), "circle::_anchor_loss_backward: ", kNoDiagonalTiles);
   const NoAutocast no_autocast;
   const c10::cuda::CUDAGuard guard(features.device());
@@ -1253,9 +1228,7 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_backward_cuda(
 } // namespace
 
 TORCH_LIBRARY_IMPL(circle, CUDA, m) {
-  m.impl("_anchor_loss_forward", &anchor_loss_forward_cuda);
-  m.impl("_anchor_loss_backward", &anchor_loss_backward_cuda);
-  m.impl("_anchor_loss_with_row_grads", &anchor_loss_with_row_grads_cuda);
+  register_anchor_kernels<anchor_loss_forward_cuda, anchor_loss_backward_cuda, anchor_loss_with_row_grads_cuda>(m);
 }
 
 } // namespace circle_loss

@@ -1100,13 +1100,8 @@ std::pair<at::Tensor, at::Tensor> loss_scalars(StripPasses<scalar_t>& passes, co
 
 // The loss, and with with_grad dloss/dfeatures (else an undefined tensor):
 // the one entry point behind both registered kernels.
-std::tuple<at::Tensor, at::Tensor> loss_and_grad_cuda(
-    const at::Tensor& features, // (B, D)
-    const at::Tensor& labels, // (B,)
-    double margin,
-    double gamma,
-    bool with_grad) {
-  check_inputs(features, labels, margin, gamma);
+std::tuple<at::Tensor, at::Tensor> loss_and_grad_cuda(const LossArgs& args, bool with_grad) {
+  const auto& [features, labels, margin, gamma] = args;
   const NoAutocast no_autocast;
   const c10::cuda::CUDAGuard guard(features.device());
   const KernelRows block = kernel_rows(features, labels);
@@ -1140,26 +1135,8 @@ std::tuple<at::Tensor, at::Tensor> loss_and_grad_cuda(
   return {loss, grad};
 }
 
-at::Tensor loss_cuda(const at::Tensor& features, const at::Tensor& labels, double margin, double gamma) {
-  return std::get<0>(loss_and_grad_cuda(features, labels, margin, gamma, /*with_grad=*/false));
-}
-
-std::tuple<at::Tensor, at::Tensor> loss_with_grad_cuda(
-    const at::Tensor& features,
-    const at::Tensor& labels,
-    double margin,
-    double gamma) {
-  return loss_and_grad_cuda(features, labels, margin, gamma, /*with_grad=*/true);
-}
-
-at::Tensor lse_partials_cuda(
-    const at::Tensor& rows, // (R, D)
-    const at::Tensor& row_labels, // (R,)
-    const at::Tensor& cols, // (C, D)
-    const at::Tensor& col_labels, // (C,)
-    double margin,
-    double gamma) {
-  check_block_inputs(rows, row_labels, cols, col_labels, margin, gamma);
+at::Tensor lse_partials_cuda(const BlockArgs& args) {
+  const auto& [rows, row_labels, cols, col_labels, margin, gamma] = args;
   const NoAutocast no_autocast;
   const c10::cuda::CUDAGuard guard(rows.device());
   at::Tensor folded = at::empty({4}, rows.options().dtype(at::kDouble));
@@ -1185,17 +1162,9 @@ at::Tensor lse_finish_cuda(const at::Tensor& partials) { // (n, 4)
   return scalars;
 }
 
-at::Tensor block_grad_cuda(
-    const at::Tensor& rows, // (R, D)
-    const at::Tensor& row_labels, // (R,)
-    const at::Tensor& cols, // (C, D)
-    const at::Tensor& col_labels, // (C,)
-    const at::Tensor& scalars, // (4,)
-    double margin,
-    double gamma) {
-  check_block_inputs(rows, row_labels, cols, col_labels, margin, gamma);
+at::Tensor block_grad_cuda(const BlockArgs& args, const at::Tensor& scalars) { // scalars: (4,)
+  const auto& [rows, row_labels, cols, col_labels, margin, gamma] = args;
   const NoAutocast no_autocast;
-  check_scalars(scalars, rows.device());
   const c10::cuda::CUDAGuard guard(rows.device());
   const KernelRows row_block = kernel_rows(rows, row_labels);
   const KernelRows col_block = kernel_rows(cols, col_labels);
@@ -1266,11 +1235,7 @@ at::Tensor loss_backward_cuda(
 } // namespace
 
 TORCH_LIBRARY_IMPL(circle, CUDA, m) {
-  m.impl("loss", &loss_cuda);
-  m.impl("_loss_with_grad", &loss_with_grad_cuda);
-  m.impl("_lse_partials", &lse_partials_cuda);
-  m.impl("_lse_finish", &lse_finish_cuda);
-  m.impl("_block_grad", &block_grad_cuda);
+  register_global_kernels<loss_and_grad_cuda, lse_partials_cuda, lse_finish_cuda, block_grad_cuda>(m);
   m.impl("_loss_backward", &loss_backward_cuda);
 }
 

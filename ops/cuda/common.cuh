@@ -5,7 +5,7 @@
 // gets the instantiations it uses.
 #pragma once
 
-#include "../circle_loss.h"
+#include "../kernel_args.h"
 
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
