@@ -280,6 +280,31 @@ def cuda_floors(args, dtype) -> list[dict]:
     return rows
 
 
+def measure_call(row, call, device, min_run_time, shape, cpu_peak=None, gemm=None) -> dict:
+    """row with the median time of call() and its extra peak memory (on CUDA,
+    or from cpu_peak() on CPU), or why it was skipped; printed as it lands,
+    its sizes named by shape. With gemm, call() is timed beside it, for its
+    time in GEMM-equivalents."""
+    try:
+        call()
+        if gemm is not None:
+            row["seconds"], row["gemm_seconds"] = paired_median_seconds(call, gemm, min_run_time)
+        else:
+            row["seconds"] = median_seconds(call, min_run_time)
+        if device.type == "cuda":
+            row["peak_bytes"] = cuda_extra_peak_bytes(call)
+        elif cpu_peak is not None:
+            row["peak_bytes"] = cpu_peak()
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        row["skipped"] = "out of memory"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(format_row(row, shape), flush=True)
+    return row
+
+
 def format_row(row, shape=None) -> str:
     """A measured row as one line of progress; shape: how to name its sizes (default B=...)."""
     shape = shape or f"B={row['B']}"
@@ -425,12 +450,37 @@ def environment(args) -> dict:
     return env
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def bench_arguments(description: str, dim: int, probe_fields: int = 0) -> argparse.ArgumentParser:
+    """The options every bench script takes; each adds its own shapes. With
+    probe_fields, the CPU memory probes': each runs in a fresh process of the
+    script, called with that many fields."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--sizes", type=int, nargs="+")
-    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--dim", type=int, default=dim)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
+    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
+    if probe_fields:
+        parser.add_argument("--no-cpu-memory", action="store_true", help="skip the fresh-process memory probes")
+        parser.add_argument("--cpu-memory-probe", nargs=probe_fields, help=argparse.SUPPRESS)
+    return parser
+
+
+def report(stem: Path, env: dict, rows: list, md: str) -> None:
+    """Prints the environment and the tables, and writes them to stem.json
+    (with the rows) and stem.md."""
+    header = " ".join(f"{k}={v}" for k, v in env.items())
+    print()
+    print(header)
+    print(md)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
+    stem.with_suffix(".md").write_text(header + "\n\n" + md + "\n")
+
+
+def main() -> None:
+    parser = bench_arguments(__doc__, dim=512)
+    parser.add_argument("--sizes", type=int, nargs="+")
     parser.add_argument("--classes", nargs="+", default=["100"],
                         help="label distributions: class counts, or B for as many classes as rows")
     parser.add_argument("--sorted-labels", action="store_true",
@@ -439,10 +489,8 @@ def main() -> None:
                         help="skip the peak-memory measurements (on CPU, a fresh process each)")
     parser.add_argument("--max-reference-batch", type=int, default=32768,
                         help="largest B at which the B×B-memory reference is attempted")
-    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
     parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high", "medium"],
                         help="torch.set_float32_matmul_precision: 'high' lets float32 GEMMs use TF32")
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
     parser.add_argument("--cpu-memory-probe", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cpu_memory_probe:
@@ -459,19 +507,14 @@ def main() -> None:
     rows = run(args)
     env = environment(args)
     md = table(rows) + "\n\nGEMM-equivalents, circle::loss / anchor_loss:\n\n" + gemm_table(rows)
-    print()
-    print(" ".join(f"{k}={v}" for k, v in env.items()))
-    print(md)
-    args.out.mkdir(parents=True, exist_ok=True)
     precision = "" if args.matmul_precision == "highest" else f"_{args.matmul_precision}"
     order = "_sorted" if args.sorted_labels else ""
     stem = args.out / f"bench_{args.device}_{args.dtype}{precision}{order}"
-    stem.with_suffix(".json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
+    report(stem, env, rows, md)
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
         writer.writeheader()
         writer.writerows(rows)
-    stem.with_suffix(".md").write_text(" ".join(f"{k}={v}" for k, v in env.items()) + "\n\n" + md + "\n")
     plot(rows, stem.with_suffix(".png"))
     print(f"\nwritten: {stem}.{{json,csv,md,png}}")
 

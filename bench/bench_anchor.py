@@ -20,8 +20,6 @@ medians; nothing here asserts a timing.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import sys
@@ -32,18 +30,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 import circle_loss  # noqa: E402
-from bench import (  # noqa: E402  (bench/bench.py, beside this script)
-    _status_bytes,
-    cuda_extra_peak_bytes,
-    environment,
-    format_memory,
-    format_row,
-    format_time,
-    gemm_equivalents,
-    is_out_of_memory,
-    median_seconds,
-    paired_median_seconds,
-)
+# bench/bench.py, beside this script: timing, memory and table helpers
+from bench import _status_bytes, bench_arguments, cuda_extra_peak_bytes, environment, median_seconds  # noqa: E402
+from bench import format_memory, format_row, format_time, gemm_equivalents, measure_call, report  # noqa: E402
 
 MARGIN, GAMMA = circle_loss.ANCHOR_DEFAULT_MARGIN, circle_loss.ANCHOR_DEFAULT_GAMMA
 
@@ -120,30 +109,6 @@ def cpu_memory_probe(method, mode, batch, refs, dim, dtype, classes) -> None:
     print(_status_bytes("VmHWM") - base)
 
 
-def measure(row, call, device, min_run_time, cpu_peak=None, gemm=None) -> dict:
-    """row with the median time of call() and its extra peak memory (on CUDA,
-    or from cpu_peak() on CPU), or why it was skipped; printed as it lands.
-    With gemm, call() is timed beside it, for its time in GEMM-equivalents."""
-    try:
-        call()
-        if gemm is not None:
-            row["seconds"], row["gemm_seconds"] = paired_median_seconds(call, gemm, min_run_time)
-        else:
-            row["seconds"] = median_seconds(call, min_run_time)
-        if device.type == "cuda":
-            row["peak_bytes"] = cuda_extra_peak_bytes(call)
-        elif cpu_peak is not None:
-            row["peak_bytes"] = cpu_peak()
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-        row["skipped"] = "out of memory"
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    print(anchor_row(row), flush=True)
-    return row
-
-
 def run(args) -> list[dict]:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -169,11 +134,11 @@ def run(args) -> list[dict]:
                     call = (lambda s=step, i=inputs: s(*i))
                     cpu_peak = None if args.no_cpu_memory else (
                         lambda n=name, m=mode: cpu_extra_peak_bytes(n, m, batch, refs, args.dim, args.dtype, classes))
-                    rows.append(measure(row, call, device, args.min_run_time, cpu_peak,
-                                        gemm if name == "anchor_loss" else None))
+                    rows.append(measure_call(row, call, device, args.min_run_time, anchor_shape(row), cpu_peak,
+                                             gemm if name == "anchor_loss" else None))
             if device.type == "cuda":
                 rows.append(op_alone_peak(batch, refs, classes, x, y, r, ry, args))
-                print(anchor_row(rows[-1]), flush=True)
+                print(format_row(rows[-1], anchor_shape(rows[-1])), flush=True)
             del x, r, leaves, gemm
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -233,8 +198,8 @@ def run_banks(args, found) -> list[dict]:
                         call = (lambda f=fn, q=query: f(q, y, bank, bank_labels, copies).detach())
                     else:
                         call = (lambda f=fn, q=query: torch.autograd.grad(f(q, y, bank, bank_labels, copies), [q]))
-                    rows.append(measure(row, call, device, args.min_run_time,
-                                        gemm=gemm if name == "anchor_loss, bank" else None))
+                    rows.append(measure_call(row, call, device, args.min_run_time, anchor_shape(row),
+                                             gemm=gemm if name == "anchor_loss, bank" else None))
             del x, bank, gemm
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -253,8 +218,8 @@ def op_alone_peak(batch, refs, classes, x, y, r, ry, args) -> dict:
                 mode="fwd+bwd", seconds=median_seconds(step, args.min_run_time), peak_bytes=cuda_extra_peak_bytes(step))
 
 
-def anchor_row(row) -> str:
-    return format_row(row, f"B={row['B']}" + (f" M={row['M']}" if row.get("M") else ""))
+def anchor_shape(row) -> str:
+    return f"B={row['B']}" + (f" M={row['M']}" if row.get("M") else "")
 
 
 def ratio(num, den):
@@ -313,20 +278,13 @@ def table(rows) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = bench_arguments(__doc__, dim=512, probe_fields=7)
     parser.add_argument("--sizes", type=int, nargs="*")
     parser.add_argument("--refs", nargs="*", help="B:M shapes with a reference set")
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
     parser.add_argument("--banks", nargs="*", help="B:M CrossBatchMemory steps (B queries, a bank of M)")
     parser.add_argument("--classes", type=int, nargs="+", default=[100])
     parser.add_argument("--max-pml-pairs", type=int, default=16384 * 16384,
                         help="largest B·M at which PML's B×M matrices are attempted")
-    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
-    parser.add_argument("--no-cpu-memory", action="store_true", help="skip the fresh-process memory probes")
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
-    parser.add_argument("--cpu-memory-probe", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cpu_memory_probe:
         method, mode, batch, refs, dim, dtype, classes = args.cpu_memory_probe
@@ -345,13 +303,8 @@ def main() -> None:
     rows += bank_rows
     env = environment(args)
     md = table([r for r in rows if not r.get("bank")]) + "\n\n" + bank_table(bank_rows)
-    print()
-    print(" ".join(f"{k}={v}" for k, v in env.items()))
-    print(md)
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"bench_anchor_{args.device}_{args.dtype}"
-    stem.with_suffix(".json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
-    stem.with_suffix(".md").write_text(" ".join(f"{k}={v}" for k, v in env.items()) + "\n\n" + md + "\n")
+    report(stem, env, rows, md)
     print(f"\nwritten: {stem}.{{json,md}}")
 
 

@@ -16,8 +16,6 @@ Timings are torch.utils.benchmark medians; nothing here asserts a timing.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import sys
@@ -28,18 +26,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 import circle_loss  # noqa: E402
-from bench import (  # noqa: E402  (bench/bench.py, beside this script)
-    _status_bytes,
-    cuda_extra_peak_bytes,
-    environment,
-    format_memory,
-    format_row,
-    format_time,
-    gemm_equivalents,
-    is_out_of_memory,
-    median_seconds,
-    paired_median_seconds,
-)
+# bench/bench.py, beside this script: timing, memory and table helpers
+from bench import _status_bytes, bench_arguments, environment, measure_call, report  # noqa: E402
+from bench import format_memory, format_time, gemm_equivalents  # noqa: E402
 
 MARGIN, GAMMA = circle_loss.CLASS_DEFAULT_MARGIN, circle_loss.CLASS_DEFAULT_GAMMA
 
@@ -134,24 +123,10 @@ def run(args) -> list[dict]:
                 inputs = (raw[0].clone().requires_grad_(), y, raw[2].clone().requires_grad_()) if mode == "fwd+bwd" \
                     else raw
                 call = lambda s=step_of(fn, mode), i=inputs: s(*i)  # noqa: E731
-                try:
-                    call()
-                    if name in ("class_loss", "op alone"):
-                        row["seconds"], row["gemm_seconds"] = paired_median_seconds(call, gemm, args.min_run_time)
-                    else:
-                        row["seconds"] = median_seconds(call, args.min_run_time)
-                    if device.type == "cuda":
-                        row["peak_bytes"] = cuda_extra_peak_bytes(call)
-                    elif not args.no_cpu_memory and name != "op alone":
-                        row["peak_bytes"] = cpu_extra_peak_bytes(name, mode, args.batch, classes, args.dim, args.dtype)
-                except Exception as error:
-                    if not is_out_of_memory(error):
-                        raise
-                    row["skipped"] = "out of memory"
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                print(format_row(row, f"B={args.batch} C={classes}"), flush=True)
-                rows.append(row)
+                cpu_peak = None if args.no_cpu_memory or name == "op alone" else (
+                    lambda n=name, m=mode: cpu_extra_peak_bytes(n, m, args.batch, classes, args.dim, args.dtype))
+                rows.append(measure_call(row, call, device, args.min_run_time, f"B={args.batch} C={classes}", cpu_peak,
+                                         gemm if name in ("class_loss", "op alone") else None))
         del x, w
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -184,18 +159,11 @@ def table(rows) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = bench_arguments(__doc__, dim=256, probe_fields=6)
     parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--classes", type=int, nargs="+", default=[1000, 10_000, 65_536, 262_144, 1_000_000])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
     parser.add_argument("--max-eager-pairs", type=int, default=512 * 262_144,
                         help="largest B·C at which the eager head's B×C matrices are attempted")
-    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
-    parser.add_argument("--no-cpu-memory", action="store_true", help="skip the fresh-process memory probes")
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
-    parser.add_argument("--cpu-memory-probe", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cpu_memory_probe:
         method, mode, batch, classes, dim, dtype = args.cpu_memory_probe
@@ -205,13 +173,8 @@ def main() -> None:
     rows = run(args)
     env = environment(args)
     md = table(rows)
-    print()
-    print(" ".join(f"{k}={v}" for k, v in env.items()))
-    print(md)
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"bench_class_{args.device}_{args.dtype}"
-    stem.with_suffix(".json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
-    stem.with_suffix(".md").write_text(" ".join(f"{k}={v}" for k, v in env.items()) + "\n\n" + md + "\n")
+    report(stem, env, rows, md)
     print(f"\nwritten: {stem}.{{json,md}}")
 
 
