@@ -36,3 +36,13 @@ def make_inputs(batch, dim, classes, device, dtype=torch.float32, normalize=True
         features = torch.nn.functional.normalize(features, dim=1)
     labels = torch.randint(0, max(classes, 1), (batch,))
     return features.to(device=device, dtype=dtype), labels.to(device)
+
+
+def backward(loss, compiled=False):
+    """loss.backward(), with compiled=True through compiled autograd (the
+    backward graph traced and compiled whole)."""
+    if not compiled:
+        loss.backward()
+        return
+    with torch._dynamo.compiled_autograd._enable(torch.compile(fullgraph=True)):
+        loss.backward()

@@ -52,15 +52,12 @@ def circle_loss_reference(
 
 
 def reference_loss_and_grad(
-    features: torch.Tensor,
-    labels: torch.Tensor,
-    margin: float = 0.25,
-    gamma: float = 256.0,
-    dtype: torch.dtype = torch.float64,
+    features: torch.Tensor, *args, dtype: torch.dtype = torch.float64
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference loss and its gradient with respect to features."""
+    """circle_loss_reference(features, *args) (labels, margin, gamma) and its
+    gradient with respect to features, in dtype."""
     f = features.detach().to(dtype).requires_grad_()
-    loss = circle_loss_reference(f, labels, margin, gamma, dtype)
+    loss = circle_loss_reference(f, *args, dtype=dtype)
     (grad,) = torch.autograd.grad(loss, f)
     return loss.detach(), grad
 
@@ -81,7 +78,7 @@ def assert_matches_reference(loss, grad, features, labels, margin=0.25, gamma=25
     ref_loss, ref_grad = reference_loss_and_grad(features, labels, margin, gamma)
     loss_tol, grad_tol = TOLERANCE[dtype]
     if dtype != torch.float64 and grad is not None:
-        _, grad32 = reference_loss_and_grad(features, labels, margin, gamma, torch.float32)
+        _, grad32 = reference_loss_and_grad(features, labels, margin, gamma, dtype=torch.float32)
         grad_tol = max(grad_tol, FLOAT32_YARDSTICK_FACTOR * relative_error(grad32, ref_grad))
     if dtype == torch.float64:
         grad_tol = max(grad_tol, FLOAT64_GAMMA_FACTOR * abs(gamma) * torch.finfo(torch.float64).eps)

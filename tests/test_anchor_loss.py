@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import circle_loss
-from conftest import make_inputs
+from conftest import backward, make_inputs
 from reference import (
     FLOAT32_YARDSTICK_FACTOR,
     TOLERANCE,
@@ -357,12 +357,7 @@ def test_compiled_autograd(device, case):
         x = features.clone().requires_grad_()
         r = ref.clone().requires_grad_(case == "reference")
         args = (x, labels) if case == "self" else (x, labels, r, ref_labels)
-        loss = (torch.ops.circle.anchor_loss(*args) * weights).sum()
-        if compiled:
-            with torch._dynamo.compiled_autograd._enable(torch.compile(fullgraph=True)):
-                loss.backward()
-        else:
-            loss.backward()
+        backward((torch.ops.circle.anchor_loss(*args) * weights).sum(), compiled)
         return x.grad, r.grad
 
     (x_eager, r_eager), (x_comp, r_comp) = grads(False), grads(True)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import circle_loss
-from conftest import make_inputs
+from conftest import backward, make_inputs
 from reference import (
     FLOAT32_YARDSTICK_FACTOR,
     TOLERANCE,
@@ -259,12 +259,7 @@ def test_compiled_autograd(device):
 
     def grads(compiled):
         f, w = features.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss = torch.ops.circle.class_loss(f, labels, w).sum()
-        if compiled:
-            with torch._dynamo.compiled_autograd._enable(torch.compile(fullgraph=True)):
-                loss.backward()
-        else:
-            loss.backward()
+        backward(torch.ops.circle.class_loss(f, labels, w).sum(), compiled)
         return f.grad, w.grad
 
     for a, b in zip(grads(False), grads(True)):

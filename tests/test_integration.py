@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import circle_loss
-from conftest import make_inputs
+from conftest import backward, make_inputs
 from reference import TOLERANCE, assert_matches_reference, relative_error
 
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -80,9 +80,7 @@ def test_compiled_autograd(device):
     x_eager = features.clone().requires_grad_()
     torch.ops.circle.loss(x_eager, labels).backward()
     x = features.clone().requires_grad_()
-    loss = torch.ops.circle.loss(x, labels)
-    with torch._dynamo.compiled_autograd._enable(torch.compile(fullgraph=True)):
-        loss.backward()
+    backward(torch.ops.circle.loss(x, labels), compiled=True)
     torch.testing.assert_close(x.grad, x_eager.grad)
 
 
