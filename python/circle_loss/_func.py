@@ -65,8 +65,19 @@ def _first_derivative_only(grad, tracked, op):
     return grad if grad is None else _NoSecondDerivative.apply(grad, tracked, op)
 
 
-class Loss(torch.autograd.Function):
+class _OpFunction(torch.autograd.Function):
+    """An op's forward and backward ops as a Function: its setup_context
+    names the op in ctx.op, for the errors; forward-mode AD of its gradient
+    is refused."""
+
     generate_vmap_rule = True
+
+    @staticmethod
+    def jvp(ctx, *_):
+        raise _mixed_modes_error(ctx.op)
+
+
+class Loss(_OpFunction):
 
     @staticmethod
     def forward(features, labels, margin, gamma):
@@ -74,6 +85,7 @@ class Loss(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        ctx.op = "circle::loss"
         ctx.mark_non_differentiable(output[1])
         ctx.save_for_backward(inputs[0], output[1])
 
@@ -81,15 +93,10 @@ class Loss(torch.autograd.Function):
     def backward(ctx, grad_loss, _):
         features, grad_features = ctx.saved_tensors
         grad = torch.ops.circle._loss_backward(grad_loss.detach(), grad_features)
-        return _first_derivative_only(grad, features, "circle::loss"), None, None, None
-
-    @staticmethod
-    def jvp(ctx, *_):
-        raise _mixed_modes_error("circle::loss")
+        return _first_derivative_only(grad, features, ctx.op), None, None, None
 
 
-class AnchorLoss(torch.autograd.Function):
-    generate_vmap_rule = True
+class AnchorLoss(_OpFunction):
 
     @staticmethod
     def forward(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index):
@@ -101,6 +108,7 @@ class AnchorLoss(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         features, labels, ref_features, ref_labels, margin, gamma, ref_self_index = inputs
+        ctx.op = "circle::anchor_loss"
         ctx.mark_non_differentiable(output[1])
         ctx.save_for_backward(features, labels, ref_features, ref_labels, output[1], ref_self_index)
         ctx.margin, ctx.gamma = margin, gamma
@@ -115,17 +123,11 @@ class AnchorLoss(torch.autograd.Function):
             grad_losses.detach(), features.detach(), labels, None if ref_features is None else ref_features.detach(),
             ref_labels, row_lse, ctx.margin, ctx.gamma, ref_self_index, ref_grad,
         )
-        op = "circle::anchor_loss"
-        return (_first_derivative_only(grad_features, features, op), None,
-                _first_derivative_only(grad_ref, ref_features, op) if ref_grad else None, None, None, None, None)
-
-    @staticmethod
-    def jvp(ctx, *_):
-        raise _mixed_modes_error("circle::anchor_loss")
+        return (_first_derivative_only(grad_features, features, ctx.op), None,
+                _first_derivative_only(grad_ref, ref_features, ctx.op) if ref_grad else None, None, None, None, None)
 
 
-class ClassLoss(torch.autograd.Function):
-    generate_vmap_rule = True
+class ClassLoss(_OpFunction):
 
     @staticmethod
     def forward(features, labels, weight, margin, gamma):
@@ -134,6 +136,7 @@ class ClassLoss(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         features, labels, weight, margin, gamma = inputs
+        ctx.op = "circle::class_loss"
         ctx.mark_non_differentiable(output[1])
         ctx.save_for_backward(features, labels, weight, output[1])
         ctx.margin, ctx.gamma = margin, gamma
@@ -146,13 +149,8 @@ class ClassLoss(torch.autograd.Function):
             grad_losses.detach(), features.detach(), labels, weight.detach(), row_lse, ctx.margin, ctx.gamma,
             features_grad, weight_grad,
         )
-        op = "circle::class_loss"
-        return (_first_derivative_only(grad_features, features, op) if features_grad else None, None,
-                _first_derivative_only(grad_weight, weight, op) if weight_grad else None, None, None)
-
-    @staticmethod
-    def jvp(ctx, *_):
-        raise _mixed_modes_error("circle::class_loss")
+        return (_first_derivative_only(grad_features, features, ctx.op) if features_grad else None, None,
+                _first_derivative_only(grad_weight, weight, ctx.op) if weight_grad else None, None, None)
 
 
 def loss(features, labels, margin: float, gamma: float) -> torch.Tensor:
