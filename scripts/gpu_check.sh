@@ -4,6 +4,7 @@
 #   tests          the whole test suite
 #   tests-by-file  the same, one process per file (isolates a crash)
 #   tests-ops      the suite without tests/test_examples.py; examples: that file alone
+#   tests-cuda     the CUDA cases alone (test ids naming cuda), 4 processes on the one GPU
 #   sanitize       compute-sanitizer memcheck and racecheck over the CUDA tests
 #   bench          bench/bench.py (fp32 sizes; label distributions in fp32, bf16, fp16 and TF32-allowed fp32)
 #   bench-anchor   bench/bench_anchor.py (the per-anchor op, the drop-ins and PML, memory-bank steps)
@@ -59,6 +60,7 @@ for step in "${steps[@]}"; do
     tests) run_pytest pytest 15 tests ;;
     tests-ops) run_pytest pytest_ops 5 tests --ignore tests/test_examples.py ;;  # examples build C++ and take minutes
     examples) run_pytest pytest_examples 5 tests/test_examples.py ;;
+    tests-cuda) run_pytest pytest_cuda 5 -n 4 tests --ignore tests/test_examples.py -k cuda ;;
     tests-by-file)  # one process per file: isolates a crash
       for file in tests/test_*.py; do
         python3 -m pytest -q -p no:cacheprovider "$file" > "$out/pytest_$(basename "$file" .py).log" 2>&1
