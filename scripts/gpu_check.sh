@@ -6,6 +6,8 @@
 #   tests-ops      the suite without tests/test_examples.py; examples: that file alone
 #   tests-cuda     the CUDA cases alone (test ids naming cuda), 4 processes on the one GPU
 #   sanitize       compute-sanitizer memcheck and racecheck over the CUDA tests
+#   bench-16384    bench/bench.py at B = 16384, 10 classes, float32 and bfloat16: one
+#                  row a dtype, to set builds side by side (CIRCLE_LOSS_ARCH_LIST)
 #   bench          bench/bench.py (fp32 sizes; label distributions in fp32, bf16, fp16 and TF32-allowed fp32)
 #   bench-anchor   bench/bench_anchor.py (the per-anchor op, the drop-ins and PML, memory-bank steps)
 #   bench-class    bench/bench_class.py (the class-level head against the eager CircleSoftmax, C = 10^5 and 10^6)
@@ -109,6 +111,12 @@ for step in "${steps[@]}"; do
       for dtype in float32 bfloat16; do
         python3 bench/bench_class.py --device cuda --batch 1024 --dim 512 --classes 100000 1000000 --dtype "$dtype" \
           --max-eager-pairs 1100000000 --min-run-time 0.3 --out "$out" 2>&1 | tee "$out/bench_class_$dtype.log" | tail -8
+      done ;;
+    bench-16384)
+      for dtype in float32 bfloat16; do
+        python3 bench/bench.py --device cuda --dtype "$dtype" --sizes 16384 --classes 10 --max-reference-batch 0 \
+          --no-memory --min-run-time 0.3 --out "$out/classes" 2>&1 | tee "$out/bench_16384_$dtype.log" \
+          | grep -E "^\| 16384"
       done ;;
     bench)
       # docs/performance.md's float32 table, then the label distributions at B = 16384

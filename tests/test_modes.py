@@ -164,20 +164,29 @@ def _func_cases(features, labels, ref, ref_labels):
 def test_torch_func_reverse_mode(device, dtype):
     features, labels = make_inputs(70, 12, 4, device, dtype)
     ref, ref_labels = make_inputs(50, 12, 4, device, dtype)
+    # The same kernels, so the same bits; except against references without
+    # a gradient on CUDA, where backward() takes the row gradients made in
+    # the forward and torch.func the backward kernel, which sum in another
+    # order.
+    rtol = 0 if device.type == "cpu" else {torch.float64: 1e-12, torch.float32: 1e-5}[dtype]
+
+    def same(a, b):
+        return torch.allclose(a, b, rtol=rtol, atol=rtol * b.abs().max().item())
+
     for name, fn in _func_cases(features, labels, ref, ref_labels).items():
         x = (ref if name == "anchor_loss_of_refs" else features).clone()
         leaf = x.clone().requires_grad_()
         fn(leaf).backward()
         expected = leaf.grad
-        assert torch.equal(torch.func.grad(fn)(x), expected), name
+        assert same(torch.func.grad(fn)(x), expected), name
         value, pullback = torch.func.vjp(fn, x)
-        assert torch.equal(value, fn(x)) and torch.equal(pullback(torch.ones_like(value))[0], expected), name
-        assert torch.equal(torch.func.jacrev(fn)(x), expected), name
+        assert torch.equal(value, fn(x)) and same(pullback(torch.ones_like(value))[0], expected), name
+        assert same(torch.func.jacrev(fn)(x), expected), name
         batched = torch.func.vmap(torch.func.grad(fn))(torch.stack([x, x.flip(1)]))
-        assert torch.equal(batched[0], expected), name
+        assert same(batched[0], expected), name
         flipped = x.flip(1).clone().requires_grad_()
         fn(flipped).backward()
-        assert torch.equal(batched[1], flipped.grad), name
+        assert same(batched[1], flipped.grad), name
 
 
 def test_torch_func_jacrev_of_the_rows(device):

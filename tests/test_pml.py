@@ -297,6 +297,13 @@ def test_drop_in_accepts_what_pml_accepts(device, mode, monkeypatch):
             fused = _run_both(lambda f, x: f(x, y), [x])
         elif mode == "ref_emb_and_labels":
             fused = _run_both(lambda f, x, r: f(x, y, ref_emb=r, ref_labels=ry), [x, r])
+        elif mode == "ref_emb_alone_shorter" and device.type == "cuda":
+            # Stock PML indexes out of bounds on the device here, an assert
+            # that ends the process's use of CUDA; the drop-in raises the
+            # IndexError PML raises on the CPU.
+            with pytest.raises(IndexError, match="ref_emb has 20 rows, fewer than the 30"):
+                circle_loss.pml.CircleLoss()(x, y, ref_emb=r)
+            fused = False
         elif mode.startswith("ref_emb_alone"):
             fused = _run_both(lambda f, x, r: f(x, y, ref_emb=r), [x, r])
         elif mode == "ref_labels_is_labels":

@@ -144,6 +144,15 @@ class CircleLoss(_pml_losses.CircleLoss):
         labels_twice = ref_labels is None or ref_labels is labels
         self_pairs = labels_twice and ref_emb is embeddings
         if labels_twice and not self_pairs and ref_emb.shape[0] != embeddings.shape[0]:
+            if 1 < embeddings.shape[0] and ref_emb.shape[0] < embeddings.shape[0]:
+                # PML's pairs then name every row of labels as a column of
+                # ref_emb: its CPU code raises this IndexError, its CUDA code
+                # an index assert on the device, which ends the process's
+                # use of CUDA.
+                raise IndexError(
+                    f"ref_emb has {ref_emb.shape[0]} rows, fewer than the {embeddings.shape[0]} of embeddings, "
+                    "and ref_labels defaults to labels: pass ref_labels for ref_emb's rows"
+                )
             return None
         # PML returns an already-reduced zero when there are at most one
         # positive and one negative pair: at most two pairs in all. A pair
