@@ -72,6 +72,7 @@ def test_margin_and_gamma(device, margin, gamma):
     assert_class_matches_reference(features, labels, make_classes(40, 16, device, torch.float64), margin, gamma)
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision(device, dtype):
     features, _ = make_inputs(70, 16, 1, device, dtype)
@@ -142,6 +143,7 @@ def test_matches_fast_reid_circle_softmax(device, scale, margin):
     assert relative_error(grads[1], head.weight.grad) <= 1e-9
 
 
+@pytest.mark.sanitize
 def test_gradients_as_asked(device):
     # features alone, weight alone (frozen proxies), both, neither.
     features, _ = make_inputs(40, 8, 1, device, torch.float64)
