@@ -64,6 +64,7 @@ class CircleLossFunction : public torch::autograd::Function<CircleLossFunction> 
   // Lets compiled autograd trace the backward instead of falling back.
   static constexpr bool is_traceable = true;
 
+  // Arguments: LossArgs's.
   static at::Tensor forward(
       AutogradContext* ctx, const at::Tensor& features, const at::Tensor& labels, double margin, double gamma) {
     auto [loss, grad_features] = call_loss_with_grad({features, labels, margin, gamma});
