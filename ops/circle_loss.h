@@ -1,5 +1,7 @@
-// Declarations shared by the op's translation units: the input contract and
-// the scalar pieces of the loss that every backend must compute identically.
+// Declarations shared by the op's translation units: the checks of the
+// backward ops' extra inputs, and the scalar pieces of the loss that every
+// backend must compute identically. The ops' arguments and their contracts
+// are in kernel_args.h.
 #pragma once
 
 #include <ATen/core/Tensor.h>
