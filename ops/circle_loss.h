@@ -200,9 +200,23 @@ struct LossScalars {
   }
 };
 
+// Whether one pair set is empty (its LSE -inf) and the other is not NaN: the
+// loss is then exactly 0 with a zero gradient, also where the other set's LSE
+// is +inf (γ near the edge of its range, all labels equal), where the sum
+// -inf + inf would be NaN. NaN still propagates.
+template <typename T>
+CIRCLE_LOSS_HOST_DEVICE inline bool one_set_empty(T lse_positive, T lse_negative) {
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  return (lse_positive == kNegInf && lse_negative == lse_negative) ||
+      (lse_negative == kNegInf && lse_positive == lse_positive);
+}
+
 CIRCLE_LOSS_HOST_DEVICE inline LossScalars finish_loss(double lse_positive, double lse_negative) {
   const double z = lse_positive + lse_negative;
   LossScalars out{lse_positive, lse_negative, 0.0, 0.0};
+  if (one_set_empty(lse_positive, lse_negative)) {
+    return out;
+  }
   // softplus and sigmoid written so that z = -inf (an empty set) gives exactly
   // 0 and large z neither overflows nor loses digits.
   out.loss = z > 0 ? z + log1p(exp(-z)) : log1p(exp(z));

@@ -197,3 +197,23 @@ def test_the_largest_accepted_parameters_give_no_nan(device, dtype):
                     leaf = value.grad_fn.next_functions[0][0].variable
                     (grad,) = torch.autograd.grad(value.sum(), leaf)
                     assert not torch.isnan(grad).any(), (margin, gamma)
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("batch", [8, 700])  # CUDA's small-batch kernels and its tiles
+def test_one_class_gives_zero_at_every_accepted_gamma(device, dtype, batch):
+    # Every label equal: no negative pair, so the loss is 0 with a zero
+    # gradient (docs/math.md), also where gamma at the edge of its range
+    # makes the positive logits overflow to inf (LSE_N + LSE_P = -inf + inf).
+    features, _ = make_inputs(batch, 6, 1, device, dtype)
+    labels = torch.zeros(batch, dtype=torch.long, device=device)
+    largest = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
+    for gamma in (largest / 2.25 * (1 - 1e-9), 1e38 if dtype != torch.float64 else 1e307, -1e30, 256.0):
+        for call in _all_forms(features, labels, 0.25, gamma):
+            value = call()
+            assert (value == 0).all(), (gamma, value)
+            if value.requires_grad:
+                leaf = value.grad_fn.next_functions[0][0].variable
+                (grad,) = torch.autograd.grad(value.sum(), leaf)
+                assert (grad == 0).all(), gamma

@@ -383,7 +383,10 @@ at::Tensor tile_weights(
           const T z = logit(wi[j], positive, &slope);
           const T by_row = inline_exp(z - (positive ? row_pos : row_neg));
           const T by_col = inline_exp(z - (positive ? col_pos[j] : col_neg[j]));
-          wi[j] = (row_factor * by_row + col_factor[j] * by_col) * slope;
+          // A weightless side contributes 0, not 0·exp(inf - inf) = NaN
+          // where an overflowing logit meets its LSE of +inf.
+          wi[j] = ((row_factor == T(0) ? T(0) : row_factor * by_row) +
+                   (col_factor[j] == T(0) ? T(0) : col_factor[j] * by_col)) * slope;
         }
       }
     });
@@ -393,6 +396,10 @@ at::Tensor tile_weights(
         T* __restrict__ wi = ws + i * n_cols;
         const int32_t yi = x[i];
         const T row_pos = row_view.lse_pos[i], row_neg = row_view.lse_neg[i], row_factor = row_view.factor[i];
+        if (row_factor == T(0)) { // 0, not 0·exp(inf - inf) where a logit overflows
+          std::fill(wi, wi + n_cols, T(0));
+          continue;
+        }
 #pragma omp simd
         for (int64_t j = 0; j < n_cols; ++j) {
           const bool positive = yi == y[j];

@@ -471,7 +471,9 @@ struct WeightScales {
   // set the CTA does not hold (m = −inf) gets 0, which also keeps the zeros
   // staged for rows and partners outside the batch zeros.
   __device__ __forceinline__ acc_t factor(int set, acc_t cta_max) const {
-    return cta_max == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : exp(cta_max - max[set]) * scale[set];
+    return cta_max == -std::numeric_limits<acc_t>::infinity() || scale[set] == acc_t(0)
+        ? acc_t(0)
+        : exp(cta_max - max[set]) * scale[set];
   }
 };
 
@@ -485,7 +487,9 @@ __device__ __forceinline__ WeightScales<acc_t> fold_weight_scales(
   // Z = M_P + M_N + log(S_P·S_N), the maxima summed in float64: they may be
   // large and of opposite signs.
   const double z = static_cast<double>(positive.max) + negative.max + log(positive.sum * negative.sum);
-  const acc_t grad_scale = acc_t(2) / (acc_t(1) + exp(-static_cast<acc_t>(z)));
+  // An empty set gives a zero gradient, as finish_loss says.
+  const acc_t grad_scale =
+      one_set_empty(positive.lse(), negative.lse()) ? acc_t(0) : acc_t(2) / (acc_t(1) + exp(-static_cast<acc_t>(z)));
   return {{positive.max, negative.max}, {grad_scale / positive.sum, grad_scale / negative.sum}};
 }
 
