@@ -120,18 +120,51 @@ def class_head(rank: int, world: int, device) -> dict:
         loss.backward()
         results[str(dtype)] = dict(loss=loss.detach().cpu(), grad=rows.grad.cpu(), weight_grad=head.weight.grad.cpu(),
                                    class_range=head.class_range)
+    # Half-precision rows against float32 weights, and rows left out by
+    # ignore_index (every third), against the float64 head's values.
+    sizes = mixed_grad_sizes(world)
+    first = sum(sizes[:rank])
+    ignored = labels.clone()
+    ignored[::3] = -100
+    mine = slice(first, first + sizes[rank])
+    for dtype in (torch.float64, torch.bfloat16):
+        weight_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        head = circle_loss.distributed.ClassCircleLoss(1000, 16, margin=0.25, gamma=64.0).to(device, weight_dtype)
+        with torch.no_grad():
+            head.weight.copy_(weight[head.class_range[0] : head.class_range[1]])
+        rows = embeddings[mine].to(device, dtype).requires_grad_()
+        loss = head(rows, ignored[mine].to(device))
+        loss.backward()
+        results[f"ignored {dtype}"] = dict(loss=loss.detach().double().cpu(), grad=rows.grad.double().cpu(),
+                                           weight_grad=head.weight.grad.cpu(), weight_dtype=str(head.weight.dtype))
+    # Every rank seeds alike (the DDP recipe): the shards must still start
+    # apart, and the default generators stay in step.
+    torch.manual_seed(5)
+    head = circle_loss.distributed.ClassCircleLoss(1001, 16)
+    results["initial"] = dict(weight=head.weight.detach().clone(), next_draw=torch.rand(4))
     messages = {}
     deviant = rank == 1
     rows = torch.randn(4, 16, device=device)
+    in_range = torch.zeros(4, dtype=torch.long, device=device)
     cases = {
-        "num_classes": lambda: circle_loss.distributed.ClassCircleLoss(30 if deviant else 40, 16),
-        "margin": lambda: circle_loss.distributed.ClassCircleLoss(40, 16, margin=0.3 if deviant else 0.25),
-        "width": lambda: circle_loss.distributed.ClassCircleLoss(40, 8 if deviant else 16),
+        "num_classes": lambda: (circle_loss.distributed.ClassCircleLoss(30 if deviant else 40, 16), rows, in_range),
+        "margin": lambda: (circle_loss.distributed.ClassCircleLoss(40, 16, margin=0.3 if deviant else 0.25), rows,
+                           in_range),
+        "width": lambda: (circle_loss.distributed.ClassCircleLoss(40, 8 if deviant else 16), rows[:, :8] if deviant
+                          else rows, in_range),
+        # Bad embeddings or labels on one rank: the same error on every rank, no hang.
+        "1-D": lambda: (circle_loss.distributed.ClassCircleLoss(40, 16), rows[0] if deviant else rows, in_range),
+        "empty": lambda: (circle_loss.distributed.ClassCircleLoss(40, 16), torch.empty(0, device=device) if deviant
+                          else rows, in_range),
+        "integer": lambda: (circle_loss.distributed.ClassCircleLoss(40, 16), rows.long() if deviant else rows,
+                            in_range),
+        "label": lambda: (circle_loss.distributed.ClassCircleLoss(40, 16), rows, in_range + 40 if deviant
+                          else in_range),
     }
     for name, make in cases.items():
-        head = make().to(device)
+        head, x, y = make()
         try:
-            head(rows[:, : head.weight.shape[1]], torch.zeros(4, dtype=torch.long, device=device))
+            head.to(device)(x, y)
             messages[name] = "no error"
         except RuntimeError as error:
             messages[name] = str(error)

@@ -219,6 +219,102 @@ def test_module_is_the_mean_of_the_normalised_op(device):
     assert "num_classes=120, embedding_size=16" in repr(head)
 
 
+def _three_heads(num_classes, dim, device):
+    """The single-process head and the PML-shaped one, with the same
+    float32 weights (each keeps them in its own layout)."""
+    head = circle_loss.ClassCircleLoss(num_classes, dim, margin=0.25, gamma=64.0).to(device)
+    pml_head = pytest.importorskip("circle_loss.pml").ClassCircleLoss(num_classes, dim, m=0.25, gamma=64.0).to(device)
+    with torch.no_grad():
+        pml_head.W.copy_(head.weight.t())
+    return head, pml_head
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_heads_train_float32_weights_from_half_precision_rows(device, dtype, autocast):
+    # Mixed precision as face-recognition heads train: the backbone's rows in
+    # half precision (or under autocast), the weights float32, their
+    # gradient float32; against the float64 head.
+    if device.type == "cpu" and dtype == torch.float16 and autocast:
+        pytest.skip("CPU autocast runs bfloat16")
+    head, pml_head = _three_heads(300, 32, device)
+    embeddings = torch.randn(80, 32, dtype=torch.float64, device=device)
+    labels = torch.randint(0, 300, (80,), device=device)
+    exact = circle_loss.ClassCircleLoss(300, 32, margin=0.25, gamma=64.0).to(device).double()
+    with torch.no_grad():
+        exact.weight.copy_(head.weight)
+    rows = embeddings.clone().requires_grad_()
+    expected = exact(rows, labels)
+    expected.backward()
+    for module, weight, to_rows in ((head, head.weight, lambda g: g), (pml_head, pml_head.W, lambda g: g.t())):
+        x = embeddings.float().requires_grad_()
+        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+            projected = x @ torch.eye(32, device=device) if autocast else x.to(dtype)
+            loss = module(projected, labels)
+        loss.backward()
+        assert weight.dtype == weight.grad.dtype == torch.float32
+        assert relative_error(loss.double(), expected) <= 2 * torch.finfo(dtype).eps  # the returned value's rounding
+        assert relative_error(x.grad.double(), rows.grad) <= 2e-2
+        assert relative_error(to_rows(weight.grad).double(), exact.weight.grad) <= 2e-2
+
+
+@pytest.mark.parametrize("embeddings,message", [
+    (torch.randn(16), "embeddings must be a 2-D tensor"),
+    (torch.randn(()), "embeddings must be a 2-D tensor"),
+    (torch.randn(2, 3, 16), "embeddings must be a 2-D tensor"),
+    (torch.zeros(4, 16, dtype=torch.long), "embeddings must be float32"),
+    (torch.zeros(4, 16, dtype=torch.bool), "embeddings must be float32"),
+])
+def test_head_names_bad_embeddings(device, embeddings, message):
+    head = circle_loss.ClassCircleLoss(10, 16).to(device)
+    with pytest.raises(RuntimeError, match=f"circle_loss.ClassCircleLoss: {message}"):
+        head(embeddings.to(device), torch.zeros(4, dtype=torch.long, device=device))
+    with pytest.raises(torch.jit.Error, match=f"circle_loss.ClassCircleLoss: {message}"):  # TorchScript's type
+        torch.jit.script(head)(embeddings.to(device), torch.zeros(4, dtype=torch.long, device=device))
+
+
+def test_heads_refuse_labels_outside_the_classes(device):
+    # A 1-indexed data set's label 10 of 10 classes, or a negative one: the
+    # modules refuse them as cross_entropy does (the op itself keeps its rule).
+    if device.type == "cuda":
+        pytest.skip("on CUDA the refusal is a device-side assert, which ends the process's CUDA context")
+    head, pml_head = _three_heads(10, 8, device)
+    embeddings = torch.randn(4, 8, device=device)
+    for labels in ([1, 2, 3, 10], [0, -1, 2, 3], [-100, 2, 3, 11]):
+        y = torch.tensor(labels, device=device)
+        with pytest.raises(RuntimeError, match=r"circle_loss.ClassCircleLoss: labels must lie in \[0, num_classes = 10\) "
+                           r"or equal ignore_index = -100"):
+            head(embeddings, y)
+        with pytest.raises(torch.jit.Error, match=r"labels must lie in \[0, num_classes = 10\)"):
+            torch.jit.script(head)(embeddings, y)
+        with pytest.raises(RuntimeError, match=r"circle_loss.pml.ClassCircleLoss: labels must lie in \[0, num_classes = 10\)$"):
+            pml_head(embeddings, y)
+    with pytest.raises(RuntimeError, match="labels must lie"):
+        torch.compile(head, fullgraph=True)(embeddings, torch.tensor([1, 2, 3, 10], device=device))
+    with pytest.raises(RuntimeError, match="labels must lie"):
+        pml_head(embeddings, torch.tensor([1, 2, 3, -100], device=device))  # PML's heads have no ignore_index
+
+
+@pytest.mark.parametrize("ignore_index", [-100, 3])
+def test_ignored_rows_leave_the_mean(device, ignore_index):
+    head = circle_loss.ClassCircleLoss(10, 8, ignore_index=ignore_index).to(device)
+    embeddings = torch.randn(12, 8, device=device, requires_grad=True)
+    labels = torch.randint(0, 10, (12,), device=device)
+    labels[labels == 3] = 4
+    labels[::4] = ignore_index
+    kept = labels != ignore_index
+    losses = circle_loss.class_loss(F.normalize(embeddings, dim=1), labels, F.normalize(head.weight, dim=1),
+                                    head.margin, head.gamma)
+    expected = losses[kept].mean()
+    loss = head(embeddings, labels)
+    torch.testing.assert_close(loss, expected)
+    (grad,) = torch.autograd.grad(loss, embeddings)
+    assert (grad[~kept] == 0).all() and (grad[kept] != 0).any()
+    torch.testing.assert_close(torch.jit.script(head)(embeddings, labels), expected)
+    everything_ignored = torch.full((12,), ignore_index, device=device)
+    assert head(embeddings, everything_ignored) == 0
+
+
 def test_module_scripted_compiled_exported(device, tmp_path):
     torch._dynamo.reset()
     head = circle_loss.ClassCircleLoss(64, 8, gamma=32.0).to(device)

@@ -144,10 +144,36 @@ def test_sharded_class_head_matches_the_single_process_head(world, tmp_path):
             assert relative_error(result[str(dtype)]["loss"], expected) <= tol
         assert relative_error(grads, rows.grad) <= 10 * tol
         assert relative_error(weight_grads, head.weight.grad) <= 10 * tol
+    # Rows labelled ignore_index leave the mean; bfloat16 rows train float32 weights.
+    ignored = labels.clone()
+    ignored[::3] = -100
+    head = circle_loss.ClassCircleLoss(1000, 16, margin=0.25, gamma=64.0).double()
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    rows = embeddings.clone().requires_grad_()
+    expected = head(rows, ignored)
+    expected.backward()
+    for dtype, tol in ((torch.float64, 1e-10), (torch.bfloat16, 2 * torch.finfo(torch.bfloat16).eps)):
+        got = [result[f"ignored {dtype}"] for result in results]
+        weight_dtype = "torch.float64" if dtype == torch.float64 else "torch.float32"
+        assert all(g["weight_dtype"] == weight_dtype for g in got)  # its gradient in its own dtype
+        assert relative_error(got[0]["loss"], expected) <= tol
+        assert relative_error(torch.cat([g["grad"] for g in got]), rows.grad) <= 10 * tol
+        assert relative_error(torch.cat([g["weight_grad"] for g in got]).double(), head.weight.grad) <= 10 * tol
+    # Alike seeds, shards apart; the default generators still in step.
+    initial = torch.cat([result["initial"]["weight"] for result in results])
+    assert initial.shape == (1001, 16) and torch.unique(initial, dim=0).shape[0] == 1001
+    assert all(torch.equal(result["initial"]["next_draw"], results[0]["initial"]["next_draw"]) for result in results)
     messages = [result["messages"] for result in results]
     for name, text in (("num_classes", "num_classes by rank"), ("margin", "margin by rank"), ("width", "D by rank")):
         for rank in range(world):
             assert text in messages[rank][name], (name, rank, messages[rank][name])
+    # Bad input on rank 1 alone: its own error there, the others told where to look.
+    for name, text in (("1-D", "embeddings must be a 2-D tensor"), ("empty", "embeddings must be a 2-D tensor"),
+                       ("integer", "embeddings must be float32"), ("label", "labels must lie in [0, num_classes = 40)")):
+        for rank in range(world):
+            expected_text = f"rank 1: {text}" if rank == 1 else "bad input on rank(s) [1]"
+            assert expected_text in messages[rank][name], (name, rank, messages[rank][name])
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")

@@ -21,6 +21,7 @@ Documentation: the README and docs/ of the source tree.
 from __future__ import annotations
 
 from importlib.metadata import version
+from typing import Optional
 
 import torch
 
@@ -219,11 +220,53 @@ def class_loss(
     return torch.ops.circle.class_loss(features, labels, weight, margin, gamma)
 
 
+def _check_embeddings(embeddings: torch.Tensor, prefix: str) -> None:
+    """A class-level head's embeddings are (B, D) floating rows: said in the
+    head's own words (after `prefix`) before normalize would fail in its own."""
+    if embeddings.dim() != 2:
+        raise RuntimeError(prefix + "embeddings must be a 2-D tensor (B, D), got a " + str(embeddings.dim())
+                           + "-D tensor of shape " + str(list(embeddings.shape)))
+    if not embeddings.is_floating_point():
+        raise RuntimeError(prefix + "embeddings must be float32, float64, float16 or bfloat16, got "
+                           + str(embeddings.dtype))
+
+
+def _check_labels_in_range(labels: torch.Tensor, num_classes: int, ignore_index: Optional[int], head: str) -> None:
+    """Refuses a label outside [0, num_classes) other than ignore_index, as
+    cross_entropy does: on the CPU at once, on CUDA asynchronously (a
+    device-side assert, no host synchronisation), in TorchScript at once."""
+    valid = (labels >= 0) & (labels < num_classes)
+    message = head + ": labels must lie in [0, num_classes = " + str(num_classes) + ")"
+    if ignore_index is not None:
+        valid = valid | (labels == ignore_index)
+        message = message + " or equal ignore_index = " + str(ignore_index)
+    if torch.jit.is_scripting():
+        # TorchScript drops an _assert_async whose result nothing uses.
+        if not bool(valid.all()):
+            raise RuntimeError(message)
+    else:
+        torch._assert_async(valid.all(), message)
+
+
+def _mean_of_kept(losses: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The mean over the rows whose label is not ignore_index (0 where none is)."""
+    kept = labels != ignore_index
+    return losses.masked_fill(~kept, 0.0).sum() / kept.sum().clamp_min(1)
+
+
 class ClassCircleLoss(torch.nn.Module):
     """The class-level Circle Loss head: an ``nn.Module`` holding the class
     weights ``weight`` (num_classes, embedding_size) as a parameter.
     ``forward(embeddings, labels)`` L2-normalises both and returns the mean
     over rows of :func:`class_loss`. Scriptable, compilable, exportable.
+
+    Labels must lie in [0, num_classes), except ``ignore_index`` (-100 by
+    default, as for ``torch.nn.functional.cross_entropy``), whose rows leave
+    the mean; any other label is refused (on CUDA by an asynchronous
+    device-side assert, as cross_entropy's). Embeddings of another floating
+    dtype than the weights (half precision under ``torch.autocast``, float32
+    weights) are welcome: the normalised weights are cast to the embeddings'
+    dtype for the op, and the weights' gradient arrives in their own dtype.
 
     Example::
 
@@ -237,10 +280,12 @@ class ClassCircleLoss(torch.nn.Module):
         embedding_size: int,
         margin: float = CLASS_DEFAULT_MARGIN,
         gamma: float = CLASS_DEFAULT_GAMMA,
+        ignore_index: int = -100,
     ) -> None:
         super().__init__()
         self.margin = float(margin)
         self.gamma = float(gamma)
+        self.ignore_index = int(ignore_index)
         self.weight = torch.nn.Parameter(torch.empty(num_classes, embedding_size))
         self.reset_parameters()
 
@@ -249,21 +294,23 @@ class ClassCircleLoss(torch.nn.Module):
         torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """(B, D) embeddings and (B,) integer labels in [0, num_classes) ->
-        the 0-dim mean loss (0 for an empty batch)."""
+        """(B, D) embeddings and (B,) integer labels in [0, num_classes) (or
+        ignore_index) -> the 0-dim mean loss over the kept rows (0 for none)."""
+        _check_embeddings(embeddings, "circle_loss.ClassCircleLoss: ")
         features = torch.nn.functional.normalize(embeddings, dim=1)
         if not torch.jit.is_scripting() and (_under_func_transform(features) or _under_func_transform(self.weight)):
-            weight = torch.nn.functional.normalize(self.weight, dim=1)
+            weight = torch.nn.functional.normalize(self.weight, dim=1).to(features.dtype)
             losses = _func.class_loss(features, labels, weight, self.margin, self.gamma)
         else:
             # normalize(weight) with a backward that holds one (C, D) buffer, not several.
-            weight = torch.ops.circle._normalize_rows(self.weight)
+            weight = torch.ops.circle._normalize_rows(self.weight).to(features.dtype)
             losses = torch.ops.circle.class_loss(features, labels, weight, self.margin, self.gamma)
-        return losses.sum() / max(losses.shape[0], 1)
+        _check_labels_in_range(labels, self.weight.shape[0], self.ignore_index, "circle_loss.ClassCircleLoss")
+        return _mean_of_kept(losses, labels, self.ignore_index)
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.weight.shape[0]}, embedding_size={self.weight.shape[1]}, "
-                f"margin={self.margin}, gamma={self.gamma}")
+                f"margin={self.margin}, gamma={self.gamma}, ignore_index={self.ignore_index}")
 
 
 __all__ = [

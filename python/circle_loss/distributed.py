@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import ClassCircleLoss as _OneProcessClassCircleLoss
+from . import _check_embeddings
 from . import (
     ANCHOR_DEFAULT_GAMMA,
     ANCHOR_DEFAULT_MARGIN,
@@ -259,35 +260,58 @@ def _all_gather_rows(rows, sizes, group):
     return torch.cat([block[:n] for block, n in zip(gathered, sizes)])
 
 
-def _class_states_and_grads(features, labels, weight, first_class, num_classes, margin, gamma, group, need_grad):
+def _agreed_class_batch(embeddings, labels, weight, num_classes, ignore_index, margin, gamma, group, need_grad):
+    """_agree for the sharded head, on the embeddings as the user passed
+    them (before any normalisation, which would raise on one rank alone):
+    every rank's row count and whether any rank needs a gradient. A label
+    outside [0, num_classes) other than ignore_index is refused here, on
+    every rank, at the cost of the host synchronisation the agreement makes
+    anyway."""
+
+    def check():  # its errors get the head's name and the rank from _agree
+        for name, value in (("embeddings", embeddings), ("labels", labels)):
+            if not isinstance(value, torch.Tensor):
+                raise RuntimeError(f"{name} must be a tensor, got {type(value).__name__}")
+        _check_embeddings(embeddings, "")
+        _check_local(embeddings, labels, margin, gamma, "ClassCircleLoss")
+        torch.ops.circle.class_loss(embeddings.to("meta"), labels.to("meta"),
+                                    weight.to(device="meta", dtype=embeddings.dtype), margin, gamma)
+        valid = ((labels >= 0) & (labels < num_classes)) | (labels == ignore_index)
+        if not bool(valid.all()):
+            wrong = labels[~valid][:5].tolist()
+            raise RuntimeError(f"labels must lie in [0, num_classes = {num_classes}) or equal "
+                               f"ignore_index = {ignore_index}, got {wrong}")
+
+    agreed = _agreed_values(embeddings, margin, gamma, num_classes=num_classes, ignore_index=ignore_index)
+    return _agree("ClassCircleLoss", check, embeddings, agreed, group, need_grad)
+
+
+def _class_states_and_grads(features, labels, weight, first_class, ignore_index, margin, gamma, group, sizes,
+                            need_grad):
     """The mean class-level loss of the global batch (every rank's rows
-    against every rank's classes), and, where any rank needs a gradient, its
-    gradients with respect to this rank's rows and class shard."""
-
-    def check():
-        _check_local(features, labels, margin, gamma, "ClassCircleLoss")
-        torch.ops.circle.class_loss(features.to("meta"), labels.to("meta"), weight.to("meta"), margin, gamma)
-
-    agreed = _agreed_values(features, margin, gamma, num_classes=num_classes)
-    sizes, need_grad = _agree("ClassCircleLoss", check, features, agreed, group, need_grad)
+    against every rank's classes, the rows labelled ignore_index left out),
+    and, where any rank needs a gradient, its gradients with respect to this
+    rank's rows and class shard."""
     rank = dist.get_rank(group)
     all_features = _all_gather_rows(features.contiguous(), sizes, group)
+    global_labels = _all_gather_rows(labels.to(torch.int64), sizes, group)
+    kept = global_labels != ignore_index
     # Labels as this shard's class indices: rows of other shards' classes
-    # fall outside [0, C_r) and so have no positive here.
-    all_labels = _all_gather_rows(labels.to(torch.int64), sizes, group) - first_class
+    # (and ignored rows) fall outside [0, C_r) and so have no positive here.
+    all_labels = torch.where(kept, global_labels - first_class, -1)
     _, row_lse = torch.ops.circle._class_loss_forward(all_features, all_labels, weight, margin, gamma)
     # A row's positive lies on one rank, its negatives on all: both columns,
     # (zp, LSE_N), merge over ranks by one log-sum-exp, the same on every rank.
     states = torch.logsumexp(torch.stack(_all_gather_rows_equal(row_lse, group)), dim=0)
     zp, lse_n = states.unbind(1)
-    rows = (zp != -torch.inf) & (lse_n != -torch.inf)
+    rows = (zp != -torch.inf) & (lse_n != -torch.inf) & kept
     losses = torch.where(rows, torch.logaddexp(zp + lse_n, torch.zeros_like(zp)), torch.zeros_like(zp))
-    batch = max(sum(sizes), 1)
+    batch = kept.sum().clamp_min(1)
     loss = (losses.sum() / batch).to(features.dtype)
     if not need_grad:
         return loss, None, None
-    # The gradient of the mean: every row's incoming gradient is 1 / B.
-    incoming = torch.full((sum(sizes),), 1.0 / batch, dtype=states.dtype, device=states.device)
+    # The gradient of the mean: every kept row's incoming gradient is 1 / B_kept.
+    incoming = kept.to(states.dtype) / batch
     grad_rows, grad_weight = torch.ops.circle._class_loss_backward(
         incoming, all_features, all_labels, weight, states, margin, gamma, True, True)
     dist.all_reduce(grad_rows, group=group)  # every rank's share, summed
@@ -303,10 +327,10 @@ def _all_gather_rows_equal(tensor, group):
 
 class _DistributedClassLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, features, labels, weight, first_class, num_classes, margin, gamma, group):
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[2]
+    def forward(ctx, features, labels, weight, first_class, ignore_index, margin, gamma, group, sizes, need_grad):
         loss, grad_features, grad_weight = _class_states_and_grads(
-            features.detach(), labels, weight.detach(), first_class, num_classes, margin, gamma, group, need_grad)
+            features.detach(), labels, weight.detach(), first_class, ignore_index, margin, gamma, group, sizes,
+            need_grad)
         ctx.save_for_backward(grad_features, grad_weight)
         return loss
 
@@ -318,7 +342,7 @@ class _DistributedClassLoss(torch.autograd.Function):
                 "computed in the forward pass and are not differentiable again."
             )
         grad_features, grad_weight = ctx.saved_tensors
-        return (grad_features * grad_loss, None, grad_weight * grad_loss, None, None, None, None, None)
+        return (grad_features * grad_loss, None, grad_weight * grad_loss) + (None,) * 7
 
 
 class ClassCircleLoss(_OneProcessClassCircleLoss):
@@ -337,6 +361,15 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
     collective of its own (the forward made them), so it is safe to call on
     some ranks only.
 
+    Labels, ``ignore_index`` and mixed precision are as for
+    ``circle_loss.ClassCircleLoss``; bad input on any rank (a label out of
+    range included) raises the same error on every rank, before any other
+    collective. Each rank draws its shard's initial rows from a stream of its
+    own, seeded by one draw from the default generator (the same on every
+    rank, so the ranks' generators stay in step) and by the rank: every
+    class starts from its own row, as in the single-process head, though not
+    the same rows.
+
     Under DistributedDataParallel keep this head out of DDP (its shards
     differ by rank: wrap the backbone alone). DDP averages the backbone's
     gradients over ranks, where each rank holds its rows' exact share: the
@@ -351,28 +384,45 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
         embedding_size: int,
         margin: float = CLASS_DEFAULT_MARGIN,
         gamma: float = CLASS_DEFAULT_GAMMA,
+        ignore_index: int = -100,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         counts = [len(shard) for shard in torch.tensor_split(torch.arange(num_classes), world)]
+        self.rank = rank  # reset_parameters' stream depends on it
         # The single-process head's parameter and initialisation, on this
         # rank's classes (each row's distribution depends on D alone).
-        super().__init__(counts[rank], embedding_size, margin, gamma)
+        super().__init__(counts[rank], embedding_size, margin, gamma, ignore_index)
         self.class_range = (sum(counts[:rank]), sum(counts[: rank + 1]))
         self.num_classes = int(num_classes)
         self.group = group
 
+    def reset_parameters(self) -> None:
+        # One draw from the default generator on every rank keeps the ranks'
+        # generators in step whatever their shard sizes; the rank then picks
+        # the stream, so that no two shards start alike.
+        seed = int(torch.randint(2**62, (), device="cpu"))
+        stream = torch.Generator(device=self.weight.device).manual_seed(seed + 0x9E3779B97F4A7C15 * self.rank % 2**62)
+        torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5, generator=stream)
+
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """(B_rank, D) embeddings and (B_rank,) labels in [0, num_classes) ->
-        the 0-dim mean loss of the global batch. Every rank must call."""
+        """(B_rank, D) embeddings and (B_rank,) labels in [0, num_classes)
+        (or ignore_index) -> the 0-dim mean loss of the global batch. Every
+        rank must call."""
+        need_grad = torch.is_grad_enabled() and (
+            (isinstance(embeddings, torch.Tensor) and embeddings.requires_grad) or self.weight.requires_grad)
+        sizes, need_grad = _agreed_class_batch(embeddings, labels, self.weight, self.num_classes, self.ignore_index,
+                                               self.margin, self.gamma, self.group, need_grad)
         features = torch.nn.functional.normalize(embeddings, dim=1)
-        weight = torch.ops.circle._normalize_rows(self.weight)  # as circle_loss.ClassCircleLoss does
-        return _DistributedClassLoss.apply(features, labels, weight, self.class_range[0], self.num_classes,
-                                           self.margin, self.gamma, self.group)
+        # As circle_loss.ClassCircleLoss does, cast to the rows' dtype.
+        weight = torch.ops.circle._normalize_rows(self.weight).to(features.dtype)
+        return _DistributedClassLoss.apply(features, labels, weight, self.class_range[0], self.ignore_index,
+                                           self.margin, self.gamma, self.group, sizes, need_grad)
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, class_range={self.class_range}, "
-                f"embedding_size={self.weight.shape[1]}, margin={self.margin}, gamma={self.gamma}")
+                f"embedding_size={self.weight.shape[1]}, margin={self.margin}, gamma={self.gamma}, "
+                f"ignore_index={self.ignore_index}")
 
 
 class _GatherRows(torch.autograd.Function):

@@ -38,7 +38,7 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from pytorch_metric_learning.utils import distributed as _pml_distributed
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
-from . import CLASS_DEFAULT_GAMMA, CLASS_DEFAULT_MARGIN, anchor_loss, class_loss  # registers the ops
+from . import CLASS_DEFAULT_GAMMA, CLASS_DEFAULT_MARGIN, _check_labels_in_range, anchor_loss, class_loss  # registers the ops
 
 
 class _BankPairs:
@@ -254,16 +254,20 @@ class ClassCircleLoss(WeightRegularizerMixin, BaseMetricLossFunction):
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
         c_f.ref_not_supported(embeddings, labels, ref_emb, ref_labels)
-        self.W.data = c_f.to_device(self.W.data, device=embeddings.device, dtype=embeddings.dtype)
+        # The weights move to the rows' device but keep their dtype (PML's
+        # ArcFaceLoss would recast them to half precision for half-precision
+        # rows): they are cast for the op, their gradient in their own dtype.
+        self.W.data = c_f.to_device(self.W.data, device=embeddings.device)
         miner_weights = lmu.convert_to_weights(indices_tuple, labels, dtype=embeddings.dtype)
         classes = self.W.t()  # (num_classes, embedding_size)
         losses = class_loss(
             self.distance.maybe_normalize(embeddings),
             labels,
-            self.distance.maybe_normalize(classes),
+            self.distance.maybe_normalize(classes).to(embeddings.dtype),
             float(self.m),
             float(self.gamma),
         )
+        _check_labels_in_range(labels, self.num_classes, None, "circle_loss.pml.ClassCircleLoss")
         loss_dict = {
             "loss": {
                 "losses": losses * miner_weights,
