@@ -1,6 +1,7 @@
 """circle::loss as a custom operator: opcheck, TorchScript, torch.compile,
 compiled autograd, and loading the library with no Python package at all."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -162,3 +163,35 @@ def test_library_links_torch_and_the_shared_cpp_runtime():
     torch_needs = subprocess.run(["readelf", "-d", str(torch_cpu)], capture_output=True, text=True).stdout
     if "[libgomp.so.1]" in torch_needs:
         assert "libgomp.so.1" in needed, needed
+
+
+def test_the_build_records_its_torch():
+    from circle_loss import _library
+
+    assert _library.built_for() == torch.__version__
+
+
+def test_a_library_built_for_another_torch_says_so(tmp_path):
+    # As after `pip install -U torch`: the library's C++ symbols are not in
+    # the torch that runs, so it does not load. The error names the torch it
+    # was built for, the one running and the rebuild command.
+    source = tmp_path / "stale.c"
+    source.write_text("void symbol_of_another_torch(void);\nvoid entry(void) { symbol_of_another_torch(); }\n")
+    stale = tmp_path / "libstale.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(stale), str(source)], check=True)
+    library_py = Path(circle_loss._library.__file__)
+    code = f"""
+        import importlib.util, os
+        spec = importlib.util.spec_from_file_location("library", {str(library_py)!r})
+        library = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(library)
+        library.built_for = lambda: "2.0.0+an-older-one"
+        library.load()
+        """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, CIRCLE_LOSS_LIBRARY=str(stale)))
+    assert out.returncode != 0
+    assert "ImportError: circle_loss: the operator library" in out.stderr, out.stderr
+    assert f"was built for torch 2.0.0+an-older-one, but torch {torch.__version__} is running" in out.stderr
+    assert "pip install --no-build-isolation --force-reinstall --no-deps ." in out.stderr
+    assert "undefined symbol: symbol_of_another_torch" in out.stderr
