@@ -86,13 +86,14 @@ def plot(losses, embeddings, labels, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def train(loss_of_batch, optimizer, x_train, y_train, epochs: int, batch_size: int) -> tuple[list[float], float]:
+def train(loss_of_batch, optimizer, x_train, y_train, epochs: int, batch_size: int,
+          progress: bool = True) -> tuple[list[float], float]:
     """Shuffled minibatch steps of loss_of_batch(inputs, labels) with a
     progress bar: each step's loss, and the seconds it all took."""
     losses = []
     start = time.perf_counter()
     steps_per_epoch = -(-len(x_train) // batch_size)
-    with tqdm(total=epochs * steps_per_epoch, desc="training", unit="step") as bar:
+    with tqdm(total=epochs * steps_per_epoch, desc="training", unit="step", disable=not progress) as bar:
         for epoch in range(epochs):
             permutation = torch.randperm(len(x_train), device=x_train.device)
             for first in range(0, len(x_train), batch_size):

@@ -52,6 +52,21 @@ def test_train_digits_with_the_class_level_head_learns(tmp_path):
     assert (tmp_path / "classes.png").stat().st_size > 10_000
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+@pytest.mark.parametrize("form", ["loss", "anchor", "class"])
+def test_train_digits_distributed_on_two_gloo_ranks(form, tmp_path):
+    # As docs/distributed.md tells it: torchrun, two processes, gloo.
+    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+               "examples/train_digits_distributed.py", "--form", form, "--device", "cpu",
+               "--out", str(tmp_path / "d.png")], env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert f"{form} form on 2 ranks" in out
+    before, after = map(float, re.fullmatch(r"recall@1 before ([0-9.]+) after ([0-9.]+)",
+                                            out.strip().splitlines()[-1]).groups())
+    assert after >= before + 0.05 and after >= 0.95, out
+    map_before, map_after = map(float, re.search(r"MAP@R before ([0-9.]+) after ([0-9.]+)", out).groups())
+    assert map_after >= map_before + 0.3
+
+
 def test_train_digits_compiled_step(tmp_path):
     out = run([sys.executable, "examples/train_digits.py", "--compile", "--epochs", "2", "--out", str(tmp_path / "d.png")])
     assert out.strip().splitlines()[-1].startswith("recall@1 before")

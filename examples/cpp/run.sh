@@ -26,6 +26,8 @@ PATH="$(dirname "$python"):$PATH"
 "$python" "$here/export_model.py" "$work"
 cmake -S "$here" -B "$work" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
+  -DTORCH_VERSION_STRING="$("$python" -c 'import torch; print(torch.__version__)')" \
+  -DTORCH_CUDA_VERSION="$("$python" -c 'import torch; print(torch.version.cuda or "")')" \
   -DCIRCLE_LOSS_LIBRARY="$("$python" -c 'import circle_loss; print(circle_loss.library_path())')" \
   > "$work/cmake.log" 2>&1 || { cat "$work/cmake.log"; exit 1; }
 cmake --build "$work" > "$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
