@@ -131,16 +131,39 @@ def anchor_loss_reference(
     return torch.where(rows, F.softplus(z, threshold=40.0), torch.zeros_like(z))
 
 
+# The references hold about ten B×M matrices of their dtype at once; large
+# cases take their rows in chunks of at most this many entries of S, so that
+# a case's memory does not grow with B (two test processes share one GPU).
+REFERENCE_CHUNK_ENTRIES = 1 << 26
+
+
+def _row_chunks(rows, cols):
+    step = max(1, REFERENCE_CHUNK_ENTRIES // max(cols, 1))
+    return [(first, min(first + step, rows)) for first in range(0, rows, step)] or [(0, 0)]
+
+
 def anchor_reference_and_grads(features, labels, ref_features=None, ref_labels=None, margin=0.4, gamma=80.0,
                                weights=None, dtype=torch.float64, ref_self_index=None):
     """The reference losses (B,) and the gradients of Σ_i weights_i · L_i with
-    respect to features and ref_features (None without a reference set)."""
+    respect to features and ref_features (None without a reference set),
+    rows in chunks: a row's loss depends on its own row of S alone."""
     q = features.detach().to(dtype).requires_grad_()
     r = None if ref_features is None else ref_features.detach().to(dtype).requires_grad_()
-    losses = anchor_loss_reference(q, labels, r, ref_labels, margin, gamma, dtype, ref_self_index)
-    w = torch.ones_like(losses) if weights is None else weights.to(dtype)
-    grads = torch.autograd.grad((losses * w).sum(), [q] if r is None else [q, r])
-    return losses.detach(), grads[0], (None if r is None else grads[1])
+    w = torch.ones(len(labels), dtype=dtype, device=q.device) if weights is None else weights.to(dtype)
+    losses, grad_q, grad_r = [], torch.zeros_like(q), None if r is None else torch.zeros_like(r)
+    for first, last in _row_chunks(len(labels), len(labels) if r is None else len(r)):
+        if r is None:  # the chunk's rows against the whole batch, each its own pair left out
+            own = torch.arange(first, last, device=q.device)
+            chunk = anchor_loss_reference(q[first:last], labels[first:last], q, labels, margin, gamma, dtype, own)
+        else:
+            own = None if ref_self_index is None else ref_self_index[first:last]
+            chunk = anchor_loss_reference(q[first:last], labels[first:last], r, ref_labels, margin, gamma, dtype, own)
+        if last > first:
+            for grad, part in zip((grad_q, grad_r), torch.autograd.grad((chunk * w[first:last]).sum(),
+                                                                        [q] if r is None else [q, r])):
+                grad += part
+        losses.append(chunk.detach())
+    return torch.cat(losses), grad_q, grad_r
 
 
 def class_loss_reference(
@@ -171,7 +194,13 @@ def class_reference_and_grads(features, labels, weight, margin=0.25, gamma=256.0
     respect to features and weight."""
     f = features.detach().to(dtype).requires_grad_()
     w = weight.detach().to(dtype).requires_grad_()
-    losses = class_loss_reference(f, labels, w, margin, gamma, dtype)
-    g = torch.ones_like(losses) if weights is None else weights.to(dtype)
-    grad_f, grad_w = torch.autograd.grad((losses * g).sum(), [f, w]) if len(losses) else (f * 0, w * 0)
-    return losses.detach(), grad_f, grad_w
+    g = torch.ones(len(labels), dtype=dtype, device=f.device) if weights is None else weights.to(dtype)
+    losses, grad_f, grad_w = [], torch.zeros_like(f), torch.zeros_like(w)
+    for first, last in _row_chunks(len(labels), len(w)):
+        chunk = class_loss_reference(f[first:last], labels[first:last], w, margin, gamma, dtype)
+        if last > first:
+            part_f, part_w = torch.autograd.grad((chunk * g[first:last]).sum(), [f, w])
+            grad_f += part_f
+            grad_w += part_w
+        losses.append(chunk.detach())
+    return torch.cat(losses), grad_f, grad_w

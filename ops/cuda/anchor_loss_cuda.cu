@@ -508,7 +508,11 @@ struct AnchorWeightRule {
       const float2 row = shared.row_shares[r];
       const float2 col = shared.col_shares[c];
       const float share = positive ? row.x + col.x : row.y + col.y;
-      const float w = Units::weight_term(u, positive ? positive_base : negative_base) * share * twice_alpha;
+      // A weightless pair (its row's factor 0, a row outside the span) may
+      // lie far past the base, where float32 cannot resolve its logit (|margin|
+      // of 1e4 and more): 0, not inf·0.
+      const float w =
+          share == 0.0f ? 0.0f : Units::weight_term(u, positive ? positive_base : negative_base) * share * twice_alpha;
       return c == shared.skipped[r] ? 0.0f : w * (positive ? -half_gamma : half_gamma);
     });
   }

@@ -129,7 +129,8 @@ __global__ void __launch_bounds__(kThreads) strip_weights_kernel(
   for_each_entry(s, rows, cols, row_labels, col_labels, [&](int64_t r, int64_t c, acc_t s_rc, bool is_positive) {
     acc_t slope;
     const acc_t z = logit(s_rc, is_positive, &slope);
-    const acc_t w = scale * exp(z - (is_positive ? lse_positive : lse_negative)) * slope;
+    // scale 0 (a set empty) gives 0, also where an overflowed z meets its LSE of inf.
+    const acc_t w = scale == acc_t(0) ? acc_t(0) : scale * exp(z - (is_positive ? lse_positive : lse_negative)) * slope;
     weights[r * cols + c] = static_cast<weight_t>(is_positive && negatives_only ? acc_t(0) : w);
   });
 }
@@ -311,6 +312,10 @@ struct GlobalWeightRule {
 
   template <typename Visit>
   __device__ __forceinline__ void with_weight(const Shared& shared, Visit visit) const {
+    if (shared.scale == 0.0f) { // a set empty: a zero gradient, even where a logit overflowed to inf
+      visit([](float, bool, int, int) { return 0.0f; });
+      return;
+    }
     const TileLogit tile_logit(logit, Units::kScale);
     const WeightOffset positive_offset = shared.offset[0];
     const WeightOffset negative_offset = shared.offset[1];
