@@ -2,10 +2,13 @@
 (normalise both sides, circle_loss.class_loss, the mean)
 against the eager CircleSoftmax users write (fast-reid's arithmetic: the B×C
 cosine logits, detached alphas, one-hot mix, cross-entropy) and
-torch.compile of it, forward and forward+backward (gradients to the
-embeddings and the class weights), with extra peak memory, and class_loss's
-time in GEMM-equivalents: over that of the GEMM X·Wᵀ of the same size, the
-two timed in alternating blocks.
+torch.compile of it, and, where installed, the fused linear cross-entropy
+heads users have for plain softmax (Cut Cross-Entropy's
+linear_cross_entropy, Liger-Kernel's fused linear cross entropy: no circle
+arithmetic, no normalisation, the floor a fused circle head should meet),
+forward and forward+backward (gradients to the embeddings and the class
+weights), with extra peak memory, each one's time in GEMM-equivalents: over
+that of the GEMM X·Wᵀ of the same size, the two timed in alternating blocks.
 
     python bench/bench_class.py                                   # CPU defaults
     python bench/bench_class.py --device cuda --batch 1024 --dim 512 --classes 100000 1000000 --dtype bfloat16
@@ -57,13 +60,37 @@ def op_alone(x, y, w):
     return circle_loss.class_loss(x, y, w, MARGIN, GAMMA).mean()
 
 
-def methods() -> dict:
+def fused_softmax_heads() -> dict:
+    """The fused plain-softmax heads that are installed (both run on CUDA
+    only: Triton kernels), as (x, y, w) -> the mean cross-entropy of x·wᵀ."""
+    heads = {}
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        heads["Cut Cross-Entropy"] = lambda x, y, w: linear_cross_entropy(x, w, y)
+    except ImportError:
+        pass
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        heads["Liger fused CE"] = lambda x, y, w: liger_fused_linear_cross_entropy(x, w, y)
+    except ImportError:
+        pass
+    return heads
+
+
+def methods(device: str = "cpu") -> dict:
     return {
         "class_loss": class_op,
         "op alone": op_alone,  # forward+backward only
         "eager CircleSoftmax": circle_softmax,
         "compiled CircleSoftmax": torch.compile(circle_softmax, dynamic=False),
+        **(fused_softmax_heads() if device == "cuda" else {}),
     }
+
+
+# The methods whose times are also given in GEMM-equivalents.
+IN_GEMMS = ("class_loss", "op alone", "Cut Cross-Entropy", "Liger fused CE")
 
 
 def make_inputs(batch, classes, dim, device, dtype):
@@ -110,12 +137,12 @@ def run(args) -> list[dict]:
         x, y, w = make_inputs(args.batch, classes, args.dim, device, dtype)
         gemm = lambda a=x, b=w: a @ b.T  # noqa: E731
         normalised = (F.normalize(x, dim=1), y, F.normalize(w, dim=1))
-        for name, fn in methods().items():
+        for name, fn in methods(device.type).items():
             for mode in ("fwd", "fwd+bwd"):
                 row = dict(method=name, B=args.batch, C=classes, D=args.dim, dtype=args.dtype, mode=mode)
                 if name == "op alone" and mode == "fwd":
                     continue
-                if name != "class_loss" and args.batch * classes > args.max_eager_pairs:
+                if name.endswith("CircleSoftmax") and args.batch * classes > args.max_eager_pairs:
                     row["skipped"] = "--max-eager-pairs"
                     rows.append(row)
                     continue
@@ -125,8 +152,15 @@ def run(args) -> list[dict]:
                 call = lambda s=step_of(fn, mode), i=inputs: s(*i)  # noqa: E731
                 cpu_peak = None if args.no_cpu_memory or name == "op alone" else (
                     lambda n=name, m=mode: cpu_extra_peak_bytes(n, m, args.batch, classes, args.dim, args.dtype))
-                rows.append(measure_call(row, call, device, args.min_run_time, f"B={args.batch} C={classes}", cpu_peak,
-                                         gemm if name in ("class_loss", "op alone") else None))
+                try:
+                    rows.append(measure_call(row, call, device, args.min_run_time, f"B={args.batch} C={classes}",
+                                             cpu_peak, gemm if name in IN_GEMMS else None))
+                except Exception as error:  # a contender that refuses the dtype or the size
+                    if name in ("class_loss", "op alone"):
+                        raise
+                    rows.append({**row, "skipped": f"{type(error).__name__}: {str(error)[:120]}"})
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
         del x, w
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -141,19 +175,25 @@ def speedup(slow, fast) -> str:
 
 def table(rows) -> str:
     by_key = {(r["method"], r["C"], r["mode"]): r for r in rows}
+    fused = [name for name in ("Cut Cross-Entropy", "Liger fused CE") if any(r["method"] == name for r in rows)]
     lines = [
         "| B | C | D | mode | ClassCircleLoss | in GEMMs | op alone in GEMMs | eager CircleSoftmax | compiled | "
-        "eager / ours | compiled / ours | our extra peak | eager extra peak | compiled extra peak |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "eager / ours | compiled / ours | our extra peak | eager extra peak | compiled extra peak |"
+        + "".join(f" {name} | in GEMMs | its extra peak |" for name in fused),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|---|" * len(fused),
     ]
     for classes in sorted({r["C"] for r in rows}):
         for mode in ("fwd", "fwd+bwd"):
-            ours, alone, eager, compiled = (by_key.get((m, classes, mode)) for m in methods())
+            ours, alone, eager, compiled = (by_key.get((m, classes, mode)) for m in
+                                            ("class_loss", "op alone", "eager CircleSoftmax", "compiled CircleSoftmax"))
+            others = [by_key.get((name, classes, mode)) for name in fused]
             lines.append(
                 f"| {ours['B']} | {classes} | {ours['D']} | {mode} | {format_time(ours)} | {gemm_equivalents(ours)} | "
                 f"{gemm_equivalents(alone) if alone else '—'} | "
                 f"{format_time(eager)} | {format_time(compiled)} | {speedup(eager, ours)} | {speedup(compiled, ours)} | "
                 f"{format_memory(ours)} | {format_memory(eager)} | {format_memory(compiled)} |"
+                + "".join(f" {format_time(o)} | {gemm_equivalents(o) if o else '—'} | {format_memory(o)} |"
+                          for o in others)
             )
     return "\n".join(lines)
 

@@ -297,7 +297,8 @@ class ClassCircleLoss(torch.nn.Module):
         """(B, D) embeddings and (B,) integer labels in [0, num_classes) (or
         ignore_index) -> the 0-dim mean loss over the kept rows (0 for none)."""
         _check_embeddings(embeddings, "circle_loss.ClassCircleLoss: ")
-        features = torch.nn.functional.normalize(embeddings, dim=1)
+        # In the embeddings' dtype: under CUDA autocast normalize returns float32.
+        features = torch.nn.functional.normalize(embeddings, dim=1).to(embeddings.dtype)
         if not torch.jit.is_scripting() and (_under_func_transform(features) or _under_func_transform(self.weight)):
             weight = torch.nn.functional.normalize(self.weight, dim=1).to(features.dtype)
             losses = _func.class_loss(features, labels, weight, self.margin, self.gamma)

@@ -413,7 +413,7 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
             (isinstance(embeddings, torch.Tensor) and embeddings.requires_grad) or self.weight.requires_grad)
         sizes, need_grad = _agreed_class_batch(embeddings, labels, self.weight, self.num_classes, self.ignore_index,
                                                self.margin, self.gamma, self.group, need_grad)
-        features = torch.nn.functional.normalize(embeddings, dim=1)
+        features = torch.nn.functional.normalize(embeddings, dim=1).to(embeddings.dtype)
         # As circle_loss.ClassCircleLoss does, cast to the rows' dtype.
         weight = torch.ops.circle._normalize_rows(self.weight).to(features.dtype)
         return _DistributedClassLoss.apply(features, labels, weight, self.class_range[0], self.ignore_index,

@@ -260,8 +260,10 @@ class ClassCircleLoss(WeightRegularizerMixin, BaseMetricLossFunction):
         self.W.data = c_f.to_device(self.W.data, device=embeddings.device)
         miner_weights = lmu.convert_to_weights(indices_tuple, labels, dtype=embeddings.dtype)
         classes = self.W.t()  # (num_classes, embedding_size)
+        # In the embeddings' dtype: under CUDA autocast normalize returns float32.
+        features = self.distance.maybe_normalize(embeddings).to(embeddings.dtype)
         losses = class_loss(
-            self.distance.maybe_normalize(embeddings),
+            features,
             labels,
             self.distance.maybe_normalize(classes).to(embeddings.dtype),
             float(self.m),
