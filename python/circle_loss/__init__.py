@@ -21,7 +21,7 @@ Documentation: the README and docs/ of the source tree.
 from __future__ import annotations
 
 from importlib.metadata import version
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -248,6 +248,34 @@ def _check_labels_in_range(labels: torch.Tensor, num_classes: int, ignore_index:
         torch._assert_async(valid.all(), message)
 
 
+def _check_sample_rate(sample_rate: float, head: str) -> float:
+    if not 0.0 < sample_rate <= 1.0:  # NaN fails too
+        raise ValueError(f"{head}: sample_rate must lie in (0, 1], got {sample_rate}")
+    return float(sample_rate)
+
+
+def _sampled_classes(labels: torch.Tensor, num_classes: int, sample_rate: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Partial FC's class sampling. Keeps every class that labels a row (a
+    label in [0, num_classes)), and, where they are fewer than
+    int(sample_rate · num_classes), as many more drawn uniformly at random
+    without replacement from the other classes (torch's generator of the
+    labels' device): ranked by a uniform score, the positives' set above
+    all. Returns the kept classes, ascending, (K,), and each row's position
+    among them, -1 for a label outside [0, num_classes). Synchronises with
+    the host once (the number of distinct positives)."""
+    valid = (labels >= 0) & (labels < num_classes)
+    positives = torch.unique(labels[valid])  # ascending
+    wanted = int(sample_rate * num_classes)
+    if wanted > positives.numel():
+        score = torch.rand(num_classes, device=labels.device)
+        score[positives] = 2.0
+        kept = torch.sort(torch.topk(score, wanted)[1])[0]
+    else:
+        kept = positives
+    positions = torch.searchsorted(kept, labels.clamp(0, max(num_classes - 1, 0)))
+    return kept, torch.where(valid, positions, -1)
+
+
 def _mean_of_kept(losses: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """The mean over the rows whose label is not ignore_index (0 where none is)."""
     kept = labels != ignore_index
@@ -268,6 +296,15 @@ class ClassCircleLoss(torch.nn.Module):
     weights) are welcome: the normalised weights are cast to the embeddings'
     dtype for the op, and the weights' gradient arrives in their own dtype.
 
+    ``sample_rate`` below 1 samples the classes as insightface's Partial FC
+    does: each step keeps the classes that label a row and, up to
+    ``int(sample_rate * num_classes)`` in all, others drawn uniformly at
+    random (torch's generator: ``torch.manual_seed`` makes a step
+    reproducible); the loss is the rows' against the kept classes, and the
+    gradient reaches their rows of ``weight`` alone (the others' stay exactly
+    0). The kept rows are gathered and normalised, (K, D); the kept classes
+    of the last step are ``last_kept`` (empty at sample_rate 1).
+
     Example::
 
         head = ClassCircleLoss(num_classes=10_000, embedding_size=512)
@@ -281,11 +318,14 @@ class ClassCircleLoss(torch.nn.Module):
         margin: float = CLASS_DEFAULT_MARGIN,
         gamma: float = CLASS_DEFAULT_GAMMA,
         ignore_index: int = -100,
+        sample_rate: float = 1.0,
     ) -> None:
         super().__init__()
         self.margin = float(margin)
         self.gamma = float(gamma)
         self.ignore_index = int(ignore_index)
+        self.sample_rate = _check_sample_rate(sample_rate, f"{type(self).__module__}.{type(self).__name__}")
+        self.last_kept = torch.empty(0, dtype=torch.long)  # the last sampled step's kept classes
         self.weight = torch.nn.Parameter(torch.empty(num_classes, embedding_size))
         self.reset_parameters()
 
@@ -299,19 +339,25 @@ class ClassCircleLoss(torch.nn.Module):
         _check_embeddings(embeddings, "circle_loss.ClassCircleLoss: ")
         # In the embeddings' dtype: under CUDA autocast normalize returns float32.
         features = torch.nn.functional.normalize(embeddings, dim=1).to(embeddings.dtype)
+        classes, positions = self.weight, labels
+        if self.sample_rate < 1.0:
+            kept, positions = _sampled_classes(labels, self.weight.shape[0], self.sample_rate)
+            classes = self.weight.index_select(0, kept)  # its backward fills the other rows with 0
+            self.last_kept = kept
         if not torch.jit.is_scripting() and (_under_func_transform(features) or _under_func_transform(self.weight)):
-            weight = torch.nn.functional.normalize(self.weight, dim=1).to(features.dtype)
-            losses = _func.class_loss(features, labels, weight, self.margin, self.gamma)
+            weight = torch.nn.functional.normalize(classes, dim=1).to(features.dtype)
+            losses = _func.class_loss(features, positions, weight, self.margin, self.gamma)
         else:
             # normalize(weight) with a backward that holds one (C, D) buffer, not several.
-            weight = torch.ops.circle._normalize_rows(self.weight).to(features.dtype)
-            losses = torch.ops.circle.class_loss(features, labels, weight, self.margin, self.gamma)
+            weight = torch.ops.circle._normalize_rows(classes).to(features.dtype)
+            losses = torch.ops.circle.class_loss(features, positions, weight, self.margin, self.gamma)
         _check_labels_in_range(labels, self.weight.shape[0], self.ignore_index, "circle_loss.ClassCircleLoss")
         return _mean_of_kept(losses, labels, self.ignore_index)
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.weight.shape[0]}, embedding_size={self.weight.shape[1]}, "
-                f"margin={self.margin}, gamma={self.gamma}, ignore_index={self.ignore_index}")
+                f"margin={self.margin}, gamma={self.gamma}, ignore_index={self.ignore_index}, "
+                f"sample_rate={self.sample_rate}")
 
 
 __all__ = [

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import ClassCircleLoss as _OneProcessClassCircleLoss
-from . import _check_embeddings
+from . import _check_embeddings, _sampled_classes
 from . import (
     ANCHOR_DEFAULT_GAMMA,
     ANCHOR_DEFAULT_MARGIN,
@@ -286,20 +286,18 @@ def _agreed_class_batch(embeddings, labels, weight, num_classes, ignore_index, m
     return _agree("ClassCircleLoss", check, embeddings, agreed, group, need_grad)
 
 
-def _class_states_and_grads(features, labels, weight, first_class, ignore_index, margin, gamma, group, sizes,
+def _class_states_and_grads(features, global_labels, shard_labels, weight, ignore_index, margin, gamma, group, sizes,
                             need_grad):
     """The mean class-level loss of the global batch (every rank's rows
     against every rank's classes, the rows labelled ignore_index left out),
     and, where any rank needs a gradient, its gradients with respect to this
-    rank's rows and class shard."""
+    rank's rows and its classes `weight`. shard_labels: each global row's
+    class among `weight`'s rows, outside [0, len(weight)) for a class of
+    another rank (or an ignored row)."""
     rank = dist.get_rank(group)
     all_features = _all_gather_rows(features.contiguous(), sizes, group)
-    global_labels = _all_gather_rows(labels.to(torch.int64), sizes, group)
     kept = global_labels != ignore_index
-    # Labels as this shard's class indices: rows of other shards' classes
-    # (and ignored rows) fall outside [0, C_r) and so have no positive here.
-    all_labels = torch.where(kept, global_labels - first_class, -1)
-    _, row_lse = torch.ops.circle._class_loss_forward(all_features, all_labels, weight, margin, gamma)
+    _, row_lse = torch.ops.circle._class_loss_forward(all_features, shard_labels, weight, margin, gamma)
     # A row's positive lies on one rank, its negatives on all: both columns,
     # (zp, LSE_N), merge over ranks by one log-sum-exp, the same on every rank.
     states = torch.logsumexp(torch.stack(_all_gather_rows_equal(row_lse, group)), dim=0)
@@ -313,7 +311,7 @@ def _class_states_and_grads(features, labels, weight, first_class, ignore_index,
     # The gradient of the mean: every kept row's incoming gradient is 1 / B_kept.
     incoming = kept.to(states.dtype) / batch
     grad_rows, grad_weight = torch.ops.circle._class_loss_backward(
-        incoming, all_features, all_labels, weight, states, margin, gamma, True, True)
+        incoming, all_features, shard_labels, weight, states, margin, gamma, True, True)
     dist.all_reduce(grad_rows, group=group)  # every rank's share, summed
     first = sum(sizes[:rank])
     return loss, grad_rows[first : first + sizes[rank]], grad_weight
@@ -327,9 +325,10 @@ def _all_gather_rows_equal(tensor, group):
 
 class _DistributedClassLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, features, labels, weight, first_class, ignore_index, margin, gamma, group, sizes, need_grad):
+    def forward(ctx, features, global_labels, shard_labels, weight, ignore_index, margin, gamma, group, sizes,
+                need_grad):
         loss, grad_features, grad_weight = _class_states_and_grads(
-            features.detach(), labels, weight.detach(), first_class, ignore_index, margin, gamma, group, sizes,
+            features.detach(), global_labels, shard_labels, weight.detach(), ignore_index, margin, gamma, group, sizes,
             need_grad)
         ctx.save_for_backward(grad_features, grad_weight)
         return loss
@@ -342,7 +341,7 @@ class _DistributedClassLoss(torch.autograd.Function):
                 "computed in the forward pass and are not differentiable again."
             )
         grad_features, grad_weight = ctx.saved_tensors
-        return (grad_features * grad_loss, None, grad_weight * grad_loss) + (None,) * 7
+        return (grad_features * grad_loss, None, None, grad_weight * grad_loss) + (None,) * 6
 
 
 class ClassCircleLoss(_OneProcessClassCircleLoss):
@@ -364,7 +363,11 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
     Labels, ``ignore_index`` and mixed precision are as for
     ``circle_loss.ClassCircleLoss``; bad input on any rank (a label out of
     range included) raises the same error on every rank, before any other
-    collective. Each rank draws its shard's initial rows from a stream of its
+    collective. ``sample_rate`` below 1 is Partial FC's sampling on each
+    rank's classes: every class of the shard that labels a row of the global
+    batch, and up to ``int(sample_rate * classes of the shard)`` in all,
+    others drawn at random on each rank; ``last_kept`` holds the shard's
+    kept classes (global ids) of the last step. Each rank draws its shard's initial rows from a stream of its
     own, seeded by one draw from the default generator (the same on every
     rank, so the ranks' generators stay in step) and by the rank: every
     class starts from its own row, as in the single-process head, though not
@@ -385,6 +388,7 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
         margin: float = CLASS_DEFAULT_MARGIN,
         gamma: float = CLASS_DEFAULT_GAMMA,
         ignore_index: int = -100,
+        sample_rate: float = 1.0,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -392,7 +396,7 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
         self.rank = rank  # reset_parameters' stream depends on it
         # The single-process head's parameter and initialisation, on this
         # rank's classes (each row's distribution depends on D alone).
-        super().__init__(counts[rank], embedding_size, margin, gamma, ignore_index)
+        super().__init__(counts[rank], embedding_size, margin, gamma, ignore_index, sample_rate)
         self.class_range = (sum(counts[:rank]), sum(counts[: rank + 1]))
         self.num_classes = int(num_classes)
         self.group = group
@@ -414,15 +418,25 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
         sizes, need_grad = _agreed_class_batch(embeddings, labels, self.weight, self.num_classes, self.ignore_index,
                                                self.margin, self.gamma, self.group, need_grad)
         features = torch.nn.functional.normalize(embeddings, dim=1).to(embeddings.dtype)
+        global_labels = _all_gather_rows(labels.to(torch.int64), sizes, self.group)
+        # Each row's class among this shard's (outside [0, C_r) for another
+        # rank's class or an ignored row), and the shard's classes.
+        shard_labels = global_labels - self.class_range[0]
+        classes = self.weight
+        if self.sample_rate < 1.0:
+            kept, shard_labels = _sampled_classes(shard_labels, self.weight.shape[0], self.sample_rate)
+            classes = self.weight.index_select(0, kept)
+            self.last_kept = kept + self.class_range[0]
+        shard_labels = torch.where(global_labels != self.ignore_index, shard_labels, -1)
         # As circle_loss.ClassCircleLoss does, cast to the rows' dtype.
-        weight = torch.ops.circle._normalize_rows(self.weight).to(features.dtype)
-        return _DistributedClassLoss.apply(features, labels, weight, self.class_range[0], self.ignore_index,
+        weight = torch.ops.circle._normalize_rows(classes).to(features.dtype)
+        return _DistributedClassLoss.apply(features, global_labels, shard_labels, weight, self.ignore_index,
                                            self.margin, self.gamma, self.group, sizes, need_grad)
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, class_range={self.class_range}, "
                 f"embedding_size={self.weight.shape[1]}, margin={self.margin}, gamma={self.gamma}, "
-                f"ignore_index={self.ignore_index}")
+                f"ignore_index={self.ignore_index}, sample_rate={self.sample_rate}")
 
 
 class _GatherRows(torch.autograd.Function):

@@ -38,7 +38,15 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from pytorch_metric_learning.utils import distributed as _pml_distributed
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
-from . import CLASS_DEFAULT_GAMMA, CLASS_DEFAULT_MARGIN, _check_labels_in_range, anchor_loss, class_loss  # registers the ops
+from . import (  # registers the ops
+    CLASS_DEFAULT_GAMMA,
+    CLASS_DEFAULT_MARGIN,
+    _check_labels_in_range,
+    _check_sample_rate,
+    _sampled_classes,
+    anchor_loss,
+    class_loss,
+)
 
 
 class _BankPairs:
@@ -239,14 +247,18 @@ class ClassCircleLoss(WeightRegularizerMixin, BaseMetricLossFunction):
     (``circle_loss.class_loss`` on the cosine-normalised rows and classes,
     no B×C logits), weighted by a miner's tuple as PML weights its
     classification losses, reduced by the reducer (mean by default); no
-    ``ref_emb``, as for PML's other classification losses."""
+    ``ref_emb``, as for PML's other classification losses. ``sample_rate``
+    below 1 samples the classes each step as ``circle_loss.ClassCircleLoss``
+    does (Partial FC)."""
 
-    def __init__(self, num_classes, embedding_size, m=CLASS_DEFAULT_MARGIN, gamma=CLASS_DEFAULT_GAMMA, **kwargs):
+    def __init__(self, num_classes, embedding_size, m=CLASS_DEFAULT_MARGIN, gamma=CLASS_DEFAULT_GAMMA,
+                 sample_rate=1.0, **kwargs):
         super().__init__(**kwargs)
         c_f.assert_distance_type(self, CosineSimilarity)
         self.num_classes = num_classes
         self.m = m
         self.gamma = gamma
+        self.sample_rate = _check_sample_rate(sample_rate, "circle_loss.pml.ClassCircleLoss")
         self.add_to_recordable_attributes(list_of_names=["num_classes", "m", "gamma"], is_stat=False)
         self.W = torch.nn.Parameter(torch.Tensor(embedding_size, num_classes))
         self.weight_init_func(self.W)
@@ -262,9 +274,13 @@ class ClassCircleLoss(WeightRegularizerMixin, BaseMetricLossFunction):
         classes = self.W.t()  # (num_classes, embedding_size)
         # In the embeddings' dtype: under CUDA autocast normalize returns float32.
         features = self.distance.maybe_normalize(embeddings).to(embeddings.dtype)
+        positions = labels
+        if self.sample_rate < 1.0:
+            kept, positions = _sampled_classes(labels, self.num_classes, self.sample_rate)
+            classes = classes.index_select(0, kept)
         losses = class_loss(
             features,
-            labels,
+            positions,
             self.distance.maybe_normalize(classes).to(embeddings.dtype),
             float(self.m),
             float(self.gamma),
