@@ -137,6 +137,18 @@ def class_head(rank: int, world: int, device) -> dict:
         loss.backward()
         results[f"ignored {dtype}"] = dict(loss=loss.detach().double().cpu(), grad=rows.grad.double().cpu(),
                                            weight_grad=head.weight.grad.cpu(), weight_dtype=str(head.weight.dtype))
+    # Partial FC: each rank samples 30% of its shard; the labels lie in the
+    # first 150 classes, so the later ranks' classes label no row.
+    sampled = labels % 150
+    head = circle_loss.distributed.ClassCircleLoss(1000, 16, margin=0.25, gamma=64.0, sample_rate=0.3).to(device)
+    head.double()
+    with torch.no_grad():
+        head.weight.copy_(weight[head.class_range[0] : head.class_range[1]])
+    rows = embeddings[mine].to(device).requires_grad_()
+    loss = head(rows, sampled[mine].to(device))
+    loss.backward()
+    results["sampled"] = dict(loss=loss.detach().cpu(), grad=rows.grad.cpu(), weight_grad=head.weight.grad.cpu(),
+                              kept=head.last_kept.cpu())
     # Every rank seeds alike (the DDP recipe): the shards must still start
     # apart, and the default generators stay in step.
     torch.manual_seed(5)

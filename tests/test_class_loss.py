@@ -466,3 +466,91 @@ def test_normalize_rows_is_normalize_with_a_leaner_backward(device, dtype):
     own_error = relative_error(grads["normalize"][1], grads["float64"][1])
     assert relative_error(grads["ours"][1], grads["float64"][1]) <= max(2 * own_error, 1e-12)
     torch.library.opcheck(torch.ops.circle._normalize_rows.default, (x.requires_grad_(),), test_utils=OPCHECK_TESTS)
+
+
+# Partial FC's class sampling (sample_rate < 1).
+
+def test_sampled_classes_obey_the_rule(device):
+    from circle_loss import _sampled_classes
+
+    labels = torch.tensor([3, 7, 7, 42, -100, 3], device=device)
+    for rate, size in ((0.1, 10), (0.25, 25), (0.02, 3), (1.0, 100)):
+        kept, positions = _sampled_classes(labels, 100, rate)
+        assert kept.numel() == size and torch.equal(kept, torch.unique(kept))  # exact size, ascending, no duplicates
+        assert {3, 7, 42} <= set(kept.tolist())  # every positive
+        valid = labels >= 0
+        assert torch.equal(kept[positions[valid]], labels[valid]) and (positions[~valid] == -1).all()
+    # Where the positives alone exceed int(rate · C), the positives alone.
+    kept, _ = _sampled_classes(labels, 100, 0.01)
+    assert kept.tolist() == [3, 7, 42]
+
+
+def test_sampled_negatives_are_uniform(device):
+    # 3 positives of 40 classes, 10 kept: 7 drawn from the 37 others, 4000
+    # times; a chi-square test of their counts (fixed seed, so deterministic).
+    from circle_loss import _sampled_classes
+
+    torch.manual_seed(0)
+    labels = torch.tensor([0, 1, 2], device=device)
+    counts = torch.zeros(40, dtype=torch.float64)
+    draws = 4000
+    for _ in range(draws):
+        kept, _ = _sampled_classes(labels, 40, 0.25)
+        counts[kept.cpu()] += 1
+    assert (counts[:3] == draws).all()
+    expected = draws * 7 / 37
+    chi_square = ((counts[3:] - expected) ** 2 / expected).sum().item()
+    assert chi_square < 69.3, chi_square  # the 0.1% point of chi-square with 36 degrees of freedom
+
+
+@pytest.mark.parametrize("sample_rate", [0.1, 0.3])
+def test_sampled_head_matches_the_reference_on_its_kept_classes(device, sample_rate):
+    from reference import class_loss_reference
+
+    head = circle_loss.ClassCircleLoss(500, 16, margin=0.25, gamma=64.0, sample_rate=sample_rate).to(device).double()
+    embeddings = torch.randn(60, 16, dtype=torch.float64, device=device, requires_grad=True)
+    labels = torch.randint(0, 500, (60,), device=device)
+    labels[::7] = -100
+    loss = head(embeddings, labels)
+    loss.backward()
+    kept = head.last_kept
+    assert kept.numel() == int(sample_rate * 500)
+    # The float64 reference: the kept rows against the kept classes alone.
+    rows = labels != -100
+    positions = torch.searchsorted(kept, labels[rows])
+    assert torch.equal(kept[positions], labels[rows])
+    e = embeddings.detach().clone().requires_grad_()
+    w = head.weight.detach().clone().requires_grad_()
+    expected = class_loss_reference(F.normalize(e[rows], dim=1), positions, F.normalize(w[kept], dim=1),
+                                    0.25, 64.0).mean()
+    expected.backward()
+    assert relative_error(loss, expected) <= 1e-10
+    assert relative_error(embeddings.grad, e.grad) <= 1e-9
+    assert relative_error(head.weight.grad, w.grad) <= 1e-9
+    others = torch.ones(500, dtype=torch.bool, device=device)
+    others[kept] = False
+    assert (head.weight.grad[others] == 0).all()  # exactly: a sparse step may skip them
+
+
+def test_sampled_heads_script_compile_and_refuse_bad_rates(device):
+    head = circle_loss.ClassCircleLoss(300, 8, sample_rate=0.2).to(device)
+    embeddings, labels = torch.randn(32, 8, device=device), torch.randint(0, 300, (32,), device=device)
+    torch.manual_seed(1)
+    expected = head(embeddings, labels)
+    kept = head.last_kept.clone()
+    torch.manual_seed(1)  # torch's generator: the same seed, the same classes
+    torch.testing.assert_close(torch.jit.script(head)(embeddings, labels), expected)
+    with torch._inductor.config.patch(fallback_random=True):  # eager's random numbers under compile
+        torch.manual_seed(1)
+        torch.testing.assert_close(torch.compile(head)(embeddings, labels), expected)
+    assert torch.equal(head.last_kept, kept)
+    pml_head = pytest.importorskip("circle_loss.pml").ClassCircleLoss(300, 8, sample_rate=0.2).to(device)
+    with torch.no_grad():
+        pml_head.W.copy_(head.weight.t())
+    torch.manual_seed(1)
+    torch.testing.assert_close(pml_head(embeddings, labels), expected)
+    for bad in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"circle_loss.ClassCircleLoss: sample_rate must lie in \(0, 1\]"):
+            circle_loss.ClassCircleLoss(10, 4, sample_rate=bad)
+        with pytest.raises(ValueError, match=r"circle_loss.pml.ClassCircleLoss: sample_rate must lie in \(0, 1\]"):
+            pml_head.__class__(10, 4, sample_rate=bad)

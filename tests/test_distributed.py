@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import circle_loss
 import circle_loss.distributed
@@ -160,6 +161,27 @@ def test_sharded_class_head_matches_the_single_process_head(world, tmp_path):
         assert relative_error(got[0]["loss"], expected) <= tol
         assert relative_error(torch.cat([g["grad"] for g in got]), rows.grad) <= 10 * tol
         assert relative_error(torch.cat([g["weight_grad"] for g in got]).double(), head.weight.grad) <= 10 * tol
+    # Partial FC on every shard against the float64 reference on the union of
+    # the kept classes: every positive kept, int(0.3 · shard) classes a shard.
+    from reference import class_loss_reference
+
+    sampled = labels % 150
+    got = [result["sampled"] for result in results]
+    shards = torch.tensor_split(torch.arange(1000), world)
+    positives = [len(set(sampled.tolist()) & set(shard.tolist())) for shard in shards]  # where many, them alone
+    assert [len(g["kept"]) for g in got] == [max(int(0.3 * len(s)), p) for s, p in zip(shards, positives)]
+    kept = torch.cat([g["kept"] for g in got])
+    assert set(sampled.tolist()) <= set(kept.tolist()) and len(set(kept.tolist())) == len(kept)
+    e = embeddings.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    expected = class_loss_reference(F.normalize(e, dim=1), torch.searchsorted(kept, sampled),
+                                    F.normalize(w[kept], dim=1), 0.25, 64.0).mean()
+    expected.backward()
+    for g in got:
+        assert relative_error(g["loss"], expected) <= 1e-10
+    assert relative_error(torch.cat([g["grad"] for g in got]), e.grad) <= 1e-9
+    assert torch.equal(torch.cat([g["weight_grad"] for g in got]) != 0, w.grad != 0)  # the kept rows alone
+    assert relative_error(torch.cat([g["weight_grad"] for g in got]), w.grad) <= 1e-9
     # Alike seeds, shards apart; the default generators still in step.
     initial = torch.cat([result["initial"]["weight"] for result in results])
     assert initial.shape == (1001, 16) and torch.unique(initial, dim=0).shape[0] == 1001
