@@ -79,10 +79,19 @@ def fused_softmax_heads() -> dict:
     return heads
 
 
-def methods(device: str = "cpu") -> dict:
+def sampled_head(rate: float):
+    """The module with Partial FC's sampling at `rate`, its weight each call's w."""
+    head = circle_loss.ClassCircleLoss(1, 1, MARGIN, GAMMA, sample_rate=rate)
+    return lambda x, y, w: torch.func.functional_call(head, {"weight": w}, (x, y))
+
+
+def methods(device: str = "cpu", sample_rates=(), contenders: bool = True) -> dict:
+    ours = {"class_loss": class_op, "op alone": op_alone,  # op alone: forward+backward only
+            **{f"sample_rate {rate:g}": sampled_head(rate) for rate in sample_rates}}
+    if not contenders:
+        return ours
     return {
-        "class_loss": class_op,
-        "op alone": op_alone,  # forward+backward only
+        **ours,
         "eager CircleSoftmax": circle_softmax,
         "compiled CircleSoftmax": torch.compile(circle_softmax, dynamic=False),
         **(fused_softmax_heads() if device == "cuda" else {}),
@@ -117,7 +126,8 @@ def cpu_extra_peak_bytes(method, mode, batch, classes, dim, dtype) -> int:
 
 
 def cpu_memory_probe(method, mode, batch, classes, dim, dtype) -> None:
-    step = step_of(methods()[method], mode)
+    rates = [float(method.split()[-1])] if method.startswith("sample_rate") else []
+    step = step_of(methods("cpu", rates, contenders=False)[method], mode)
     x, y, w = make_inputs(batch, classes, dim, "cpu", getattr(torch, dtype))
     x.requires_grad_(mode == "fwd+bwd")
     w.requires_grad_(mode == "fwd+bwd")
@@ -137,7 +147,7 @@ def run(args) -> list[dict]:
         x, y, w = make_inputs(args.batch, classes, args.dim, device, dtype)
         gemm = lambda a=x, b=w: a @ b.T  # noqa: E731
         normalised = (F.normalize(x, dim=1), y, F.normalize(w, dim=1))
-        for name, fn in methods(device.type).items():
+        for name, fn in methods(device.type, args.sample_rate, not args.no_contenders).items():
             for mode in ("fwd", "fwd+bwd"):
                 row = dict(method=name, B=args.batch, C=classes, D=args.dim, dtype=args.dtype, mode=mode)
                 if name == "op alone" and mode == "fwd":
@@ -198,12 +208,34 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def sampling_table(rows) -> str:
+    """The module exact and with each sample_rate: time, speed-up, extra peak."""
+    rates = sorted({r["method"] for r in rows if r["method"].startswith("sample_rate")})
+    if not rates:
+        return ""
+    by_key = {(r["method"], r["C"], r["mode"]): r for r in rows}
+    lines = ["| B | C | D | mode | exact | extra peak |" + "".join(f" {name} | speed-up | extra peak |" for name in rates),
+             "|---|---|---|---|---|---|" + "---|---|---|" * len(rates)]
+    for classes in sorted({r["C"] for r in rows}):
+        for mode in ("fwd", "fwd+bwd"):
+            exact = by_key[("class_loss", classes, mode)]
+            cells = "".join(f" {format_time(o)} | {speedup(exact, o)} | {format_memory(o)} |"
+                            for o in (by_key.get((name, classes, mode)) for name in rates))
+            lines.append(f"| {exact['B']} | {classes} | {exact['D']} | {mode} | {format_time(exact)} | "
+                         f"{format_memory(exact)} |{cells}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = bench_arguments(__doc__, dim=256, probe_fields=6)
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--classes", type=int, nargs="+", default=[1000, 10_000, 65_536, 262_144, 1_000_000])
     parser.add_argument("--max-eager-pairs", type=int, default=512 * 262_144,
                         help="largest B·C at which the eager head's B×C matrices are attempted")
+    parser.add_argument("--sample-rate", type=float, nargs="*", default=[],
+                        help="also the module with Partial FC's class sampling at these rates")
+    parser.add_argument("--no-contenders", action="store_true",
+                        help="the library's own rows alone (no eager, compiled or fused heads)")
     args = parser.parse_args()
     if args.cpu_memory_probe:
         method, mode, batch, classes, dim, dtype = args.cpu_memory_probe
@@ -212,7 +244,8 @@ def main() -> None:
     torch.manual_seed(0)
     rows = run(args)
     env = environment(args)
-    md = table(rows)
+    md = table(rows) if not args.no_contenders else ""
+    md = "\n\n".join(part for part in (md, sampling_table(rows)) if part)
     stem = args.out / f"bench_class_{args.device}_{args.dtype}"
     report(stem, env, rows, md)
     print(f"\nwritten: {stem}.{{json,md}}")

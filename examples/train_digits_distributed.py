@@ -51,26 +51,23 @@ def main() -> None:
     encoder = make_encoder(args.embedding_dim).to(args.device)
     model = torch.nn.parallel.DistributedDataParallel(encoder)
 
-    # Every form's value is the global batch's loss on every rank, and each
-    # rank's backward gives its rows their exact share of its gradient. DDP
-    # then *averages* the encoder's gradients over the ranks, so the share
-    # that reaches the encoder is multiplied by the world size first.
+    # Every form's value is the global batch's loss on every rank, and its
+    # backward gives this rank's rows the gradient that DDP's average over
+    # the ranks turns into the global loss's (reduce_grads="mean", the
+    # default): the learning rate is one process's on the whole batch.
     if args.form == "class":
         head = circle_loss.distributed.ClassCircleLoss(10, args.embedding_dim, args.margin, args.gamma).to(args.device)
         parameters = [*model.parameters(), *head.parameters()]  # the head stays outside DDP
 
         def loss_of_batch(inputs, labels):
-            embeddings = model(inputs)
-            embeddings.register_hook(lambda grad: grad * world)  # the encoder's share only, not the head's
-            return head(embeddings, labels)
+            return head(model(inputs), labels)
     else:
         form = circle_loss.distributed.CircleLoss if args.form == "loss" else circle_loss.distributed.AnchorCircleLoss
         criterion = form(args.margin, args.gamma)
         parameters = list(model.parameters())
 
         def loss_of_batch(inputs, labels):
-            loss = criterion(F.normalize(model(inputs), dim=1), labels)
-            return loss * world - loss.detach() * (world - 1)  # the loss's value, world times its gradient
+            return criterion(F.normalize(model(inputs), dim=1), labels)
 
     optimizer = torch.optim.Adam(parameters, lr=args.lr)
 

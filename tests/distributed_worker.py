@@ -56,8 +56,15 @@ def refusals(rank: int, device) -> dict[str, str]:
             messages[name] = "no error"
         except RuntimeError as error:
             messages[name] = str(error)
+    for name, value in (("reduce_grads", "sum"), ("reduce_grads_invalid", "average")):
+        for form in ("loss", "anchor_loss"):
+            try:
+                getattr(circle_loss.distributed, form)(features, labels, reduce_grads=value if deviant else "mean")
+                messages[f"{name} {form}"] = "no error"
+            except RuntimeError as error:
+                messages[f"{name} {form}"] = str(error)
     rows = features.clone().requires_grad_()
-    loss = circle_loss.distributed.loss(rows, labels, 0.25, 64.0)
+    loss = circle_loss.distributed.loss(rows, labels, 0.25, 64.0, reduce_grads="sum")
     try:
         torch.autograd.grad(loss, rows, create_graph=True)
         messages["double_backward"] = "no error"
@@ -86,7 +93,7 @@ def mixed_grad(rank: int, world: int, device) -> dict[str, tuple]:
         else:
             row_labels_1 = row_labels
         with torch.set_grad_enabled(not (rank == 1 and case == "under_no_grad")):
-            loss = circle_loss.distributed.loss(mine, row_labels_1, 0.25, 64.0)
+            loss = circle_loss.distributed.loss(mine, row_labels_1, 0.25, 64.0, reduce_grads="sum")
         grad = torch.autograd.grad(loss, mine)[0].cpu() if loss.requires_grad else None
         results[case] = (loss.detach().cpu(), grad)
     return results
@@ -111,7 +118,7 @@ def class_head(rank: int, world: int, device) -> dict:
         embeddings = torch.randn(sum(sizes), 16, generator=generator, dtype=torch.float64)
         labels = torch.randint(0, 1000, (sum(sizes),), generator=generator)
         weight = torch.randn(1000, 16, generator=generator, dtype=torch.float64)
-        head = circle_loss.distributed.ClassCircleLoss(1000, 16, margin=0.25, gamma=64.0).to(device, dtype)
+        head = circle_loss.distributed.ClassCircleLoss(1000, 16, margin=0.25, gamma=64.0, reduce_grads="sum").to(device, dtype)
         start, stop = head.class_range
         with torch.no_grad():
             head.weight.copy_(weight[start:stop])
@@ -129,7 +136,8 @@ def class_head(rank: int, world: int, device) -> dict:
     mine = slice(first, first + sizes[rank])
     for dtype in (torch.float64, torch.bfloat16):
         weight_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        head = circle_loss.distributed.ClassCircleLoss(1000, 16, margin=0.25, gamma=64.0).to(device, weight_dtype)
+        head = circle_loss.distributed.ClassCircleLoss(1000, 16, margin=0.25, gamma=64.0,
+                                                   reduce_grads="sum").to(device, weight_dtype)
         with torch.no_grad():
             head.weight.copy_(weight[head.class_range[0] : head.class_range[1]])
         rows = embeddings[mine].to(device, dtype).requires_grad_()
@@ -140,7 +148,8 @@ def class_head(rank: int, world: int, device) -> dict:
     # Partial FC: each rank samples 30% of its shard; the labels lie in the
     # first 150 classes, so the later ranks' classes label no row.
     sampled = labels % 150
-    head = circle_loss.distributed.ClassCircleLoss(1000, 16, margin=0.25, gamma=64.0, sample_rate=0.3).to(device)
+    head = circle_loss.distributed.ClassCircleLoss(1000, 16, margin=0.25, gamma=64.0, sample_rate=0.3,
+                                               reduce_grads="sum").to(device)
     head.double()
     with torch.no_grad():
         head.weight.copy_(weight[head.class_range[0] : head.class_range[1]])
@@ -195,10 +204,12 @@ def per_anchor(rank: int, world: int, device) -> dict:
         features, labels = global_batch(sum(sizes), 8, dtype, device)
         incoming = torch.linspace(0.5, 1.5, sum(sizes), dtype=dtype, device=device)[first : first + sizes[rank]]
         rows = features[first : first + sizes[rank]].clone().requires_grad_()
-        losses = circle_loss.distributed.anchor_loss(rows, labels[first : first + sizes[rank]], 0.4, 80.0)
+        losses = circle_loss.distributed.anchor_loss(rows, labels[first : first + sizes[rank]], 0.4, 80.0,
+                                                     reduce_grads="sum")
         (losses * incoming).sum().backward()
         module_rows = features[first : first + sizes[rank]].clone().requires_grad_()
-        mean = circle_loss.distributed.AnchorCircleLoss(0.4, 80.0)(module_rows, labels[first : first + sizes[rank]])
+        mean = circle_loss.distributed.AnchorCircleLoss(0.4, 80.0, reduce_grads="sum")(module_rows,
+                                                                                    labels[first : first + sizes[rank]])
         mean.backward()
         with torch.no_grad():
             no_grad = circle_loss.distributed.anchor_loss(rows, labels[first : first + sizes[rank]], 0.4, 80.0)
@@ -263,6 +274,50 @@ def pml_wrapper(rank: int, world: int, device) -> dict:
     return results
 
 
+def ddp_case(form: str, world: int):
+    """The documented recipe: a backbone under DistributedDataParallel, the
+    form (the class-level head kept outside DDP), a plain step's gradients;
+    the global batch of 60 rows and the head's weights from a fixed seed."""
+    generator = torch.Generator().manual_seed(7)
+    inputs = torch.randn(60, 12, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 6 if form != "class" else 40, (60,), generator=generator)
+    weight = torch.randn(40, 16, generator=generator, dtype=torch.float64)
+    torch.manual_seed(3)
+    backbone = torch.nn.Linear(12, 16).double()
+    if form == "class":
+        head = (circle_loss.distributed.ClassCircleLoss(40, 16, gamma=64.0) if world else
+                circle_loss.ClassCircleLoss(40, 16, gamma=64.0)).double()
+        with torch.no_grad():
+            head.weight.copy_(weight[head.class_range[0] : head.class_range[1]] if world else weight)
+        loss_of = head
+    elif form == "anchor":
+        head = None
+        criterion = circle_loss.distributed.AnchorCircleLoss() if world else circle_loss.AnchorCircleLoss()
+        loss_of = lambda e, y: criterion(torch.nn.functional.normalize(e, dim=1), y)  # noqa: E731
+    else:
+        head = None
+        criterion = circle_loss.distributed.CircleLoss(gamma=64.0) if world else circle_loss.CircleLoss(gamma=64.0)
+        loss_of = lambda e, y: criterion(torch.nn.functional.normalize(e, dim=1), y)  # noqa: E731
+    return inputs, labels, backbone, head, loss_of
+
+
+def ddp_training(rank: int, world: int) -> dict:
+    """Each form's step under DDP on this rank's rows (uneven, rank 1 empty
+    from 3 ranks on): the loss, the backbone's gradients after DDP's
+    all-reduce, the head's gradient."""
+    sizes = split_sizes(60, world)
+    mine = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    results = {}
+    for form in ("loss", "anchor", "class"):
+        inputs, labels, backbone, head, loss_of = ddp_case(form, world)
+        model = torch.nn.parallel.DistributedDataParallel(backbone)
+        loss = loss_of(model(inputs[mine]), labels[mine])
+        loss.backward()
+        results[form] = dict(loss=loss.detach(), grads=[p.grad.clone() for p in backbone.parameters()],
+                             head_grad=None if head is None else head.weight.grad.clone())
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rank", type=int)
@@ -283,6 +338,8 @@ def main() -> None:
                         help="instead: PML's DistributedLossWrapper against the drop-in; save each rank's results")
     parser.add_argument("--mixed-grad", action="store_true",
                         help="instead: rank 1's rows need no gradient, the others' do; save each case's results")
+    parser.add_argument("--ddp", action="store_true",
+                        help="instead: each form under DistributedDataParallel; save each rank's gradients")
     args = parser.parse_args()
     device = torch.device(args.device, args.rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -296,6 +353,7 @@ def main() -> None:
     special = class_head(args.rank, args.world, device) if args.class_head else special
     special = per_anchor(args.rank, args.world, device) if args.per_anchor else special
     special = pml_wrapper(args.rank, args.world, device) if args.pml_wrapper else special
+    special = ddp_training(args.rank, args.world) if args.ddp else special
     if special is not None:
         torch.save(special, os.path.join(args.out, f"rank{args.rank}.pt"))
         dist.destroy_process_group()
@@ -306,7 +364,8 @@ def main() -> None:
     for dtype in (torch.float64, torch.float32):
         features, labels = global_batch(args.batch, args.dim, dtype, device)
         rows = features[first : first + sizes[args.rank]].clone().requires_grad_()
-        loss = circle_loss.distributed.loss(rows, labels[first : first + sizes[args.rank]], 0.25, 64.0)
+        loss = circle_loss.distributed.loss(rows, labels[first : first + sizes[args.rank]], 0.25, 64.0,
+                                            reduce_grads="sum")
         loss.backward()
         with torch.no_grad():
             no_grad_loss = circle_loss.distributed.CircleLoss(0.25, 64.0)(rows, labels[first : first + sizes[args.rank]])

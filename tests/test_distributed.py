@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import circle_loss
 import circle_loss.distributed
-from distributed_worker import MIXED_GRAD_CASES, global_batch, mixed_grad_sizes, split_sizes
+from distributed_worker import MIXED_GRAD_CASES, ddp_case, global_batch, mixed_grad_sizes, split_sizes
 from reference import assert_matches_reference, reference_loss_and_grad, relative_error
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
@@ -90,10 +90,17 @@ def test_ranks_that_disagree_all_get_the_same_clear_error(tmp_path):
         "gamma": "gamma by rank: [64.0, 32.0]",
         "labels": "bad input on rank(s) [1]",
         "double_backward": "does not support double backward",
+        "reduce_grads loss": "reduce_grads by rank: ['mean', 'sum']",
+        "reduce_grads anchor_loss": "reduce_grads by rank: ['mean', 'sum']",
+        "reduce_grads_invalid loss": "bad input on rank(s) [1]",
+        "reduce_grads_invalid anchor_loss": "bad input on rank(s) [1]",
     }
+    own_error = {"labels": "labels must have one entry per row",
+                 "reduce_grads_invalid loss": "reduce_grads must be 'mean'",
+                 "reduce_grads_invalid anchor_loss": "reduce_grads must be 'mean'"}
     for name, text in expected.items():
         for rank, messages in enumerate(results):
-            wanted = "labels must have one entry per row" if (name, rank) == ("labels", 1) else text
+            wanted = own_error[name] if rank == 1 and name in own_error else text
             assert wanted in messages[name], (name, rank, messages[name])
 
 
@@ -280,3 +287,24 @@ def test_block_ops_opcheck(device):
     scalars = torch.ops.circle._lse_finish(partials[None])
     torch.library.opcheck(torch.ops.circle._lse_finish.default, (partials[None],), test_utils=tests)
     torch.library.opcheck(torch.ops.circle._block_grad.default, (rows, row_labels, cols, col_labels, scalars, 0.25, 64.0), test_utils=tests)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_recipe_trains_as_one_process(world, tmp_path):
+    # Backbone under DDP, the form (the class-level head outside DDP), a
+    # plain backward: after DDP's all-reduce every rank's backbone gradient
+    # is the single process's on the whole batch (reduce_grads="mean", the
+    # default), the head's the single head's, the loss the global loss.
+    results = run_ranks(world, tmp_path, extra=("--ddp",))
+    for form in ("loss", "anchor", "class"):
+        inputs, labels, backbone, head, loss_of = ddp_case(form, 0)
+        expected = loss_of(backbone(inputs), labels)
+        expected.backward()
+        for result in results:
+            got = result[form]
+            assert relative_error(got["loss"], expected) <= 1e-12, form
+            for mine, theirs in zip(got["grads"], backbone.parameters()):
+                assert relative_error(mine, theirs.grad) <= 1e-10, form
+        if head is not None:
+            assert relative_error(torch.cat([r[form]["head_grad"] for r in results]), head.weight.grad) <= 1e-10

@@ -56,7 +56,7 @@ def test_train_digits_with_the_class_level_head_learns(tmp_path):
 @pytest.mark.parametrize("form", ["loss", "anchor", "class"])
 def test_train_digits_distributed_on_two_gloo_ranks(form, tmp_path):
     # As docs/distributed.md tells it: torchrun, two processes, gloo.
-    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+    out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "examples/train_digits_distributed.py", "--form", form, "--device", "cpu",
                "--out", str(tmp_path / "d.png")], env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert f"{form} form on 2 ranks" in out

@@ -17,11 +17,18 @@ B_global × B_global matrix:
      order (circle::_lse_finish), so every rank holds identical scalars;
   2. each rank sums circle::_block_grad of its rows against every block.
 
-Gradient and data-parallel training: every rank's loss is the global loss,
-so calling backward on each rank gives each the gradient of the global loss
-through its own rows. Parameters shared across ranks get the *sum* of these
-per-rank contributions as their true gradient; DistributedDataParallel
-averages instead, so multiply the loss by the world size under DDP.
+Gradient and data-parallel training, the rule of every form here: every
+rank's loss is the global loss, and backward gives each rank's rows their
+share of its gradient. The model's parameters, replicated over the ranks,
+need the *sum* of the shares; DistributedDataParallel (and FSDP) *average*
+them. With reduce_grads="mean", the default, each rank's rows get world ×
+their share, so that DDP's average is the global loss's gradient and the
+documented recipe (the model under DDP, a plain optimiser, the learning
+rate of one process on the whole batch) trains as one process on the whole
+batch would; the value returned is still the global loss. With
+reduce_grads="sum" each rank's rows get exactly their share, for a
+wrapper that sums the ranks' gradients (or none). The class-level head's
+own weights are each rank's alone and get their exact gradient either way.
 """
 
 from __future__ import annotations
@@ -73,6 +80,40 @@ def _ring_blocks(features, labels, sizes, group):
 
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_REDUCE_GRADS = ("mean", "sum")
+
+
+def _reduce_grads_value(reduce_grads) -> float:
+    """reduce_grads as the agreement carries it (-1: not a valid value,
+    which the rank's own check then names)."""
+    return float(_REDUCE_GRADS.index(reduce_grads)) if reduce_grads in _REDUCE_GRADS else -1.0
+
+
+def _check_reduce_grads(reduce_grads) -> None:
+    if reduce_grads not in _REDUCE_GRADS:
+        raise RuntimeError(f"reduce_grads must be 'mean' (a wrapper that averages the ranks' gradients, as "
+                           f"DistributedDataParallel does) or 'sum', got {reduce_grads!r}")
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """rows as they are; their gradient times `factor`."""
+
+    @staticmethod
+    def forward(ctx, rows, factor):
+        ctx.factor = factor
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def _for_data_parallel(rows, reduce_grads, group):
+    """rows whose gradient, under reduce_grads="mean", is world × theirs: the
+    share that a wrapper averaging over the ranks turns into the sum."""
+    if reduce_grads == "sum" or not (isinstance(rows, torch.Tensor) and rows.requires_grad):
+        return rows
+    return _ScaledGradient.apply(rows, float(dist.get_world_size(group)))
 
 
 def _check_local(features, labels, margin, gamma, op="loss"):
@@ -138,6 +179,7 @@ _SHOWN = {
     "num_classes": int,
     "dtype": lambda v: str(_DTYPES[int(v)]),
     "needs a gradient": bool,
+    "reduce_grads": lambda v: _REDUCE_GRADS[int(v)] if v >= 0 else "invalid",
 }
 
 
@@ -155,16 +197,22 @@ def _agreed_values(features, margin, gamma, **more):
     }
 
 
-def _agreed_sizes(features, labels, margin, gamma, group, need_grad):
+def _agreed_sizes(features, labels, margin, gamma, reduce_grads, group, need_grad):
     """_agree for the global form's arguments."""
-    return _agree("loss", lambda: _check_local(features, labels, margin, gamma), features,
-                  _agreed_values(features, margin, gamma), group, need_grad)
+
+    def check():
+        _check_reduce_grads(reduce_grads)
+        _check_local(features, labels, margin, gamma)
+
+    return _agree("loss", check, features,
+                  _agreed_values(features, margin, gamma, reduce_grads=_reduce_grads_value(reduce_grads)), group,
+                  need_grad)
 
 
-def _loss_and_grad(features, labels, margin, gamma, group, need_grad):
+def _loss_and_grad(features, labels, margin, gamma, reduce_grads, group, need_grad):
     """The global loss and, where any rank's rows need a gradient, this
     rank's rows' gradient of it (None where none does)."""
-    sizes, need_grad = _agreed_sizes(features, labels, margin, gamma, group, need_grad)
+    sizes, need_grad = _agreed_sizes(features, labels, margin, gamma, reduce_grads, group, need_grad)
     world = len(sizes)
     labels = labels.to(torch.int64).contiguous()
     features = features.contiguous()
@@ -188,8 +236,9 @@ def _loss_and_grad(features, labels, margin, gamma, group, need_grad):
 
 class _DistributedCircleLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, features, labels, margin, gamma, group):
-        loss, grad = _loss_and_grad(features.detach(), labels, margin, gamma, group, ctx.needs_input_grad[0])
+    def forward(ctx, features, labels, margin, gamma, reduce_grads, group):
+        loss, grad = _loss_and_grad(features.detach(), labels, margin, gamma, reduce_grads, group,
+                                    ctx.needs_input_grad[0])
         ctx.save_for_backward(grad)
         return loss
 
@@ -204,7 +253,7 @@ class _DistributedCircleLoss(torch.autograd.Function):
                 "torch.autograd.grad without create_graph=True."
             )
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss, None, None, None, None
+        return grad * grad_loss, None, None, None, None, None
 
 
 def loss(
@@ -213,6 +262,7 @@ def loss(
     margin: float = DEFAULT_MARGIN,
     gamma: float = DEFAULT_GAMMA,
     group: dist.ProcessGroup | None = None,
+    reduce_grads: str = "mean",
 ) -> torch.Tensor:
     """Circle Loss of the batch formed by every rank's rows (in rank order).
 
@@ -221,32 +271,38 @@ def loss(
         labels: (B_rank,) integer labels of those rows.
         margin, gamma: as for :func:`circle_loss.circle_loss`; equal on every rank.
         group: the process group (default: the world).
+        reduce_grads: "mean" (the model under DistributedDataParallel) or
+            "sum": see the module's docstring; equal on every rank.
 
     Returns:
         The global loss, a 0-dim tensor identical on every rank; backward gives
-        this rank's rows their gradient of it. Every rank of the group must call.
+        this rank's rows their gradient of it (times the world size under
+        reduce_grads="mean"). Every rank of the group must call.
     """
     if not (dist.is_available() and dist.is_initialized()):
         _check_local(features, labels, margin, gamma)  # no group: the op's own error, at once
-    return _DistributedCircleLoss.apply(features, labels, float(margin), float(gamma), group)
+    return _DistributedCircleLoss.apply(_for_data_parallel(features, reduce_grads, group), labels, float(margin),
+                                        float(gamma), reduce_grads, group)
 
 
 class CircleLoss(torch.nn.Module):
     """``nn.Module`` form of :func:`loss`."""
 
-    def __init__(self, margin: float = DEFAULT_MARGIN, gamma: float = DEFAULT_GAMMA, group=None) -> None:
+    def __init__(self, margin: float = DEFAULT_MARGIN, gamma: float = DEFAULT_GAMMA, group=None,
+                 reduce_grads: str = "mean") -> None:
         super().__init__()
         self.margin = float(margin)
         self.gamma = float(gamma)
         self.group = group
+        self.reduce_grads = reduce_grads
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """This rank's (B_rank, D) features and (B_rank,) labels -> the
         global loss, the same on every rank (see :func:`loss`)."""
-        return loss(features, labels, self.margin, self.gamma, self.group)
+        return loss(features, labels, self.margin, self.gamma, self.group, self.reduce_grads)
 
     def extra_repr(self) -> str:
-        return f"margin={self.margin}, gamma={self.gamma}"
+        return f"margin={self.margin}, gamma={self.gamma}, reduce_grads={self.reduce_grads!r}"
 
 
 def _all_gather_rows(rows, sizes, group):
@@ -260,7 +316,8 @@ def _all_gather_rows(rows, sizes, group):
     return torch.cat([block[:n] for block, n in zip(gathered, sizes)])
 
 
-def _agreed_class_batch(embeddings, labels, weight, num_classes, ignore_index, margin, gamma, group, need_grad):
+def _agreed_class_batch(embeddings, labels, weight, num_classes, ignore_index, margin, gamma, reduce_grads, group,
+                        need_grad):
     """_agree for the sharded head, on the embeddings as the user passed
     them (before any normalisation, which would raise on one rank alone):
     every rank's row count and whether any rank needs a gradient. A label
@@ -269,6 +326,7 @@ def _agreed_class_batch(embeddings, labels, weight, num_classes, ignore_index, m
     anyway."""
 
     def check():  # its errors get the head's name and the rank from _agree
+        _check_reduce_grads(reduce_grads)
         for name, value in (("embeddings", embeddings), ("labels", labels)):
             if not isinstance(value, torch.Tensor):
                 raise RuntimeError(f"{name} must be a tensor, got {type(value).__name__}")
@@ -282,7 +340,8 @@ def _agreed_class_batch(embeddings, labels, weight, num_classes, ignore_index, m
             raise RuntimeError(f"labels must lie in [0, num_classes = {num_classes}) or equal "
                                f"ignore_index = {ignore_index}, got {wrong}")
 
-    agreed = _agreed_values(embeddings, margin, gamma, num_classes=num_classes, ignore_index=ignore_index)
+    agreed = _agreed_values(embeddings, margin, gamma, num_classes=num_classes, ignore_index=ignore_index,
+                            reduce_grads=_reduce_grads_value(reduce_grads))
     return _agree("ClassCircleLoss", check, embeddings, agreed, group, need_grad)
 
 
@@ -374,11 +433,13 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
     the same rows.
 
     Under DistributedDataParallel keep this head out of DDP (its shards
-    differ by rank: wrap the backbone alone). DDP averages the backbone's
-    gradients over ranks, where each rank holds its rows' exact share: the
-    backbone's gradient arrives divided by the world size. Scale the
-    backbone's learning rate (or its gradients) by the world size to train
-    as one process would.
+    differ by rank: wrap the backbone alone) and give it a plain optimiser:
+    with reduce_grads="mean", the default, the embeddings' gradient is
+    world × this rank's share, which DDP's average over the ranks turns into
+    the gradient of the global loss, so the whole trains as one process on
+    the whole batch would, at its learning rate; the head's weights, each
+    rank's own, get their exact gradient. reduce_grads="sum" gives the
+    embeddings their exact share, for a wrapper that sums.
     """
 
     def __init__(
@@ -390,6 +451,7 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
         ignore_index: int = -100,
         sample_rate: float = 1.0,
         group: dist.ProcessGroup | None = None,
+        reduce_grads: str = "mean",
     ) -> None:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         counts = [len(shard) for shard in torch.tensor_split(torch.arange(num_classes), world)]
@@ -400,6 +462,7 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
         self.class_range = (sum(counts[:rank]), sum(counts[: rank + 1]))
         self.num_classes = int(num_classes)
         self.group = group
+        self.reduce_grads = reduce_grads
 
     def reset_parameters(self) -> None:
         # One draw from the default generator on every rank keeps the ranks'
@@ -416,7 +479,8 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
         need_grad = torch.is_grad_enabled() and (
             (isinstance(embeddings, torch.Tensor) and embeddings.requires_grad) or self.weight.requires_grad)
         sizes, need_grad = _agreed_class_batch(embeddings, labels, self.weight, self.num_classes, self.ignore_index,
-                                               self.margin, self.gamma, self.group, need_grad)
+                                               self.margin, self.gamma, self.reduce_grads, self.group, need_grad)
+        embeddings = _for_data_parallel(embeddings, self.reduce_grads, self.group)
         features = torch.nn.functional.normalize(embeddings, dim=1).to(embeddings.dtype)
         global_labels = _all_gather_rows(labels.to(torch.int64), sizes, self.group)
         # Each row's class among this shard's (outside [0, C_r) for another
@@ -436,7 +500,7 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, class_range={self.class_range}, "
                 f"embedding_size={self.weight.shape[1]}, margin={self.margin}, gamma={self.gamma}, "
-                f"ignore_index={self.ignore_index}, sample_rate={self.sample_rate}")
+                f"ignore_index={self.ignore_index}, sample_rate={self.sample_rate}, reduce_grads={self.reduce_grads!r}")
 
 
 class _GatherRows(torch.autograd.Function):
@@ -465,6 +529,7 @@ def anchor_loss(
     margin: float = ANCHOR_DEFAULT_MARGIN,
     gamma: float = ANCHOR_DEFAULT_GAMMA,
     group: dist.ProcessGroup | None = None,
+    reduce_grads: str = "mean",
 ) -> torch.Tensor:
     """Per-anchor Circle Loss of this rank's rows against the batch formed by
     every rank's rows (in rank order): row i's loss meets every row of the
@@ -476,12 +541,15 @@ def anchor_loss(
         labels: (B_rank,) integer labels of those rows.
         margin, gamma: as for :func:`circle_loss.anchor_loss`; equal on every rank.
         group: the process group (default: the world).
+        reduce_grads: "mean" (the model under DistributedDataParallel) or
+            "sum": see the module's docstring; equal on every rank.
 
     Returns:
         (B_rank,) losses of this rank's rows. Every rank of the group must
         call, and, for a gradient, every rank must call backward (with its own
         incoming gradient): each rank's rows then get the gradient of the sum
-        over ranks of <incoming gradient, losses>, since a row is a query on
+        over ranks of <incoming gradient, losses> (times the world size under
+        reduce_grads="mean"), since a row is a query on
         its own rank and a reference on all of them. Ranks that disagree on
         whether their rows need a gradient are refused on every rank, as the
         backward's collective would leave the others waiting.
@@ -490,12 +558,18 @@ def anchor_loss(
         _check_local(features, labels, margin, gamma, "anchor_loss")  # no group: the op's own error, at once
     margin, gamma = float(margin), float(gamma)
     need_grad = torch.is_grad_enabled() and features.requires_grad
-    agreed = _agreed_values(features, margin, gamma, **{"needs a gradient": float(need_grad)})
+    agreed = _agreed_values(features, margin, gamma, reduce_grads=_reduce_grads_value(reduce_grads),
+                            **{"needs a gradient": float(need_grad)})
     hint = {"needs a gradient": (
         " (every rank's backward takes part in one collective, so rows need a gradient on every rank or on none: "
         "pass an empty shard as torch.empty(0, D, requires_grad=True), or call every rank under no_grad)")}
-    sizes, _ = _agree("anchor_loss", lambda: _check_local(features, labels, margin, gamma, "anchor_loss"),
-                      features, agreed, group, need_grad, hint)
+
+    def check():
+        _check_reduce_grads(reduce_grads)
+        _check_local(features, labels, margin, gamma, "anchor_loss")
+
+    sizes, _ = _agree("anchor_loss", check, features, agreed, group, need_grad, hint)
+    features = _for_data_parallel(features, reduce_grads, group)
     rank = dist.get_rank(group)
     first = sum(sizes[:rank])
     everyone = _GatherRows.apply(features, sizes, group) if need_grad else _all_gather_rows(
@@ -526,26 +600,27 @@ class AnchorCircleLoss(torch.nn.Module):
     rows' losses over the global batch (as ``circle_loss.AnchorCircleLoss``
     reduces one batch), the same value on every rank. Each rank's backward
     gives the gradient of its own rows' share of that mean, so the ranks'
-    gradients together are the global mean's; under DistributedDataParallel,
-    which averages gradients over ranks, multiply the loss by the world size.
-    Every rank must call forward and backward."""
+    gradients together are the global mean's (times the world size under
+    reduce_grads="mean", for DistributedDataParallel's average: see the
+    module's docstring). Every rank must call forward and backward."""
 
     def __init__(self, margin: float = ANCHOR_DEFAULT_MARGIN, gamma: float = ANCHOR_DEFAULT_GAMMA,
-                 group=None) -> None:
+                 group=None, reduce_grads: str = "mean") -> None:
         super().__init__()
         self.margin = float(margin)
         self.gamma = float(gamma)
         self.group = group
+        self.reduce_grads = reduce_grads
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """This rank's (B_rank, D) features and (B_rank,) labels -> the mean
         of the nonzero per-anchor losses over the global batch, the same on
         every rank."""
-        losses = anchor_loss(features, labels, self.margin, self.gamma, self.group)
+        losses = anchor_loss(features, labels, self.margin, self.gamma, self.group, self.reduce_grads)
         totals = torch.stack([losses.detach().sum(), (losses > 0).sum().to(losses.dtype)]).double()
         dist.all_reduce(totals, group=self.group)
         total = _GlobalValue.apply(losses.sum(), totals[0].to(losses.dtype))
         return total / totals[1].clamp_min(1).to(losses.dtype)
 
     def extra_repr(self) -> str:
-        return f"margin={self.margin}, gamma={self.gamma}"
+        return f"margin={self.margin}, gamma={self.gamma}, reduce_grads={self.reduce_grads!r}"
