@@ -36,13 +36,13 @@ import torch.distributed as dist
 import circle_loss.distributed
 
 
-def loss_of(form, dim, classes, group):
+def loss_of(form, dim, classes, group, sample_rate=1.0):
     """form -> fn(x, labels) -> the scalar loss of a step."""
     if form == "loss":
         return lambda x, y: circle_loss.distributed.loss(x, y, group=group)
     if form == "anchor":
         return circle_loss.distributed.AnchorCircleLoss(group=group)
-    return circle_loss.distributed.ClassCircleLoss(classes, dim, group=group)
+    return circle_loss.distributed.ClassCircleLoss(classes, dim, sample_rate=sample_rate, group=group)
 
 
 def measure(loss_fn, per_rank, dim, dtype, device, group, steps, classes=1000):
@@ -127,6 +127,8 @@ def main():
                         help="strong scaling: global B, split as evenly as it goes")
     parser.add_argument("--forms", nargs="+", default=["loss", "anchor", "class"], choices=["loss", "anchor", "class"])
     parser.add_argument("--classes", type=int, default=65536, help="the class-level head's classes, all ranks")
+    parser.add_argument("--sample-rate", type=float, default=1.0,
+                        help="the class-level head's Partial FC sampling (1: exact)")
     parser.add_argument("--pml-wrapper", type=int, default=0, metavar="B",
                         help="also time PML's DistributedLossWrapper against the drop-in, B rows a rank")
     parser.add_argument("--dim", type=int, default=512)
@@ -151,12 +153,13 @@ def main():
         for form in args.forms:
             for kind, per_rank, global_batch in jobs:
                 if rank < ranks:
-                    loss_fn = loss_of(form, args.dim, args.classes, group)
+                    loss_fn = loss_of(form, args.dim, args.classes, group, args.sample_rate)
                     seconds, peak = measure(loss_fn, per_rank, args.dim, dtype, device, group, args.steps,
                                             args.classes if form == "class" else 1000)
                     if rank == 0:
                         row = dict(form=form, ranks=ranks, per_rank=per_rank, global_batch=global_batch,
-                                   seconds=seconds, peak_bytes=peak)
+                                   seconds=seconds, peak_bytes=peak,
+                                   **({"sample_rate": args.sample_rate} if form == "class" else {}))
                         (weak if kind == "weak" else strong).append(row)
                         print(f"{kind} {form}: ranks={ranks} B/rank={per_rank} step {seconds * 1e3:.2f} ms", flush=True)
         dist.barrier()
