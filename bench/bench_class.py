@@ -79,15 +79,16 @@ def fused_softmax_heads() -> dict:
     return heads
 
 
-def sampled_head(rate: float):
+def sampled_head(rate: float, sparse_grad: bool = False):
     """The module with Partial FC's sampling at `rate`, its weight each call's w."""
-    head = circle_loss.ClassCircleLoss(1, 1, MARGIN, GAMMA, sample_rate=rate)
+    head = circle_loss.ClassCircleLoss(1, 1, MARGIN, GAMMA, sample_rate=rate, sparse_grad=sparse_grad)
     return lambda x, y, w: torch.func.functional_call(head, {"weight": w}, (x, y))
 
 
 def methods(device: str = "cpu", sample_rates=(), contenders: bool = True) -> dict:
     ours = {"class_loss": class_op, "op alone": op_alone,  # op alone: forward+backward only
-            **{f"sample_rate {rate:g}": sampled_head(rate) for rate in sample_rates}}
+            **{f"sample_rate {rate:g}": sampled_head(rate) for rate in sample_rates},
+            **{f"sample_rate {rate:g} sparse": sampled_head(rate, True) for rate in sample_rates}}
     if not contenders:
         return ours
     return {
@@ -126,7 +127,7 @@ def cpu_extra_peak_bytes(method, mode, batch, classes, dim, dtype) -> int:
 
 
 def cpu_memory_probe(method, mode, batch, classes, dim, dtype) -> None:
-    rates = [float(method.split()[-1])] if method.startswith("sample_rate") else []
+    rates = [float(method.split()[1])] if method.startswith("sample_rate") else []
     step = step_of(methods("cpu", rates, contenders=False)[method], mode)
     x, y, w = make_inputs(batch, classes, dim, "cpu", getattr(torch, dtype))
     x.requires_grad_(mode == "fwd+bwd")

@@ -554,3 +554,22 @@ def test_sampled_heads_script_compile_and_refuse_bad_rates(device):
             circle_loss.ClassCircleLoss(10, 4, sample_rate=bad)
         with pytest.raises(ValueError, match=r"circle_loss.pml.ClassCircleLoss: sample_rate must lie in \(0, 1\]"):
             pml_head.__class__(10, 4, sample_rate=bad)
+
+
+def test_sampled_head_gives_a_sparse_gradient_when_asked(device):
+    # sparse_grad=True: the kept rows' gradient as a sparse tensor (no dense
+    # (C, D) one), the dense run's values; SGD steps on it.
+    dense = circle_loss.ClassCircleLoss(400, 8, sample_rate=0.1).to(device).double()
+    sparse = circle_loss.ClassCircleLoss(400, 8, sample_rate=0.1, sparse_grad=True).to(device).double()
+    with torch.no_grad():
+        sparse.weight.copy_(dense.weight)
+    embeddings, labels = torch.randn(30, 8, dtype=torch.float64, device=device), torch.randint(0, 400, (30,), device=device)
+    for head in (dense, sparse):
+        torch.manual_seed(2)
+        head(embeddings, labels).backward()
+    assert sparse.weight.grad.is_sparse and not dense.weight.grad.is_sparse
+    assert sparse.weight.grad.coalesce().indices().numel() <= 40  # the kept rows alone
+    torch.testing.assert_close(sparse.weight.grad.to_dense(), dense.weight.grad, rtol=1e-12, atol=0)
+    before = sparse.weight.detach().clone()
+    torch.optim.SGD(sparse.parameters(), lr=0.1).step()
+    torch.testing.assert_close(sparse.weight.detach(), before - 0.1 * dense.weight.grad, rtol=1e-12, atol=1e-15)

@@ -303,7 +303,11 @@ class ClassCircleLoss(torch.nn.Module):
     reproducible); the loss is the rows' against the kept classes, and the
     gradient reaches their rows of ``weight`` alone (the others' stay exactly
     0). The kept rows are gathered and normalised, (K, D); the kept classes
-    of the last step are ``last_kept`` (empty at sample_rate 1).
+    of the last step are ``last_kept`` (empty at sample_rate 1). With
+    ``sparse_grad=True`` the weights' gradient of a sampled step is a sparse
+    tensor of the kept rows (as ``nn.Embedding(sparse=True)`` gives), for
+    optimisers that take one (``torch.optim.SGD``, ``SparseAdam``): no dense
+    (C, D) gradient is formed.
 
     Example::
 
@@ -319,12 +323,14 @@ class ClassCircleLoss(torch.nn.Module):
         gamma: float = CLASS_DEFAULT_GAMMA,
         ignore_index: int = -100,
         sample_rate: float = 1.0,
+        sparse_grad: bool = False,
     ) -> None:
         super().__init__()
         self.margin = float(margin)
         self.gamma = float(gamma)
         self.ignore_index = int(ignore_index)
         self.sample_rate = _check_sample_rate(sample_rate, f"{type(self).__module__}.{type(self).__name__}")
+        self.sparse_grad = bool(sparse_grad)
         self.last_kept = torch.empty(0, dtype=torch.long)  # the last sampled step's kept classes
         self.weight = torch.nn.Parameter(torch.empty(num_classes, embedding_size))
         self.reset_parameters()
@@ -342,7 +348,8 @@ class ClassCircleLoss(torch.nn.Module):
         classes, positions = self.weight, labels
         if self.sample_rate < 1.0:
             kept, positions = _sampled_classes(labels, self.weight.shape[0], self.sample_rate)
-            classes = self.weight.index_select(0, kept)  # its backward fills the other rows with 0
+            # The kept rows; the others' gradient is 0 (or, sparse, absent).
+            classes = torch.nn.functional.embedding(kept, self.weight, sparse=self.sparse_grad)
             self.last_kept = kept
         if not torch.jit.is_scripting() and (_under_func_transform(features) or _under_func_transform(self.weight)):
             weight = torch.nn.functional.normalize(classes, dim=1).to(features.dtype)
@@ -357,7 +364,7 @@ class ClassCircleLoss(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"num_classes={self.weight.shape[0]}, embedding_size={self.weight.shape[1]}, "
                 f"margin={self.margin}, gamma={self.gamma}, ignore_index={self.ignore_index}, "
-                f"sample_rate={self.sample_rate}")
+                f"sample_rate={self.sample_rate}, sparse_grad={self.sparse_grad}")
 
 
 __all__ = [

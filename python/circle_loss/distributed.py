@@ -452,13 +452,14 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
         sample_rate: float = 1.0,
         group: dist.ProcessGroup | None = None,
         reduce_grads: str = "mean",
+        sparse_grad: bool = False,
     ) -> None:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         counts = [len(shard) for shard in torch.tensor_split(torch.arange(num_classes), world)]
         self.rank = rank  # reset_parameters' stream depends on it
         # The single-process head's parameter and initialisation, on this
         # rank's classes (each row's distribution depends on D alone).
-        super().__init__(counts[rank], embedding_size, margin, gamma, ignore_index, sample_rate)
+        super().__init__(counts[rank], embedding_size, margin, gamma, ignore_index, sample_rate, sparse_grad)
         self.class_range = (sum(counts[:rank]), sum(counts[: rank + 1]))
         self.num_classes = int(num_classes)
         self.group = group
@@ -489,7 +490,7 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
         classes = self.weight
         if self.sample_rate < 1.0:
             kept, shard_labels = _sampled_classes(shard_labels, self.weight.shape[0], self.sample_rate)
-            classes = self.weight.index_select(0, kept)
+            classes = torch.nn.functional.embedding(kept, self.weight, sparse=self.sparse_grad)
             self.last_kept = kept + self.class_range[0]
         shard_labels = torch.where(global_labels != self.ignore_index, shard_labels, -1)
         # As circle_loss.ClassCircleLoss does, cast to the rows' dtype.
@@ -500,7 +501,8 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, class_range={self.class_range}, "
                 f"embedding_size={self.weight.shape[1]}, margin={self.margin}, gamma={self.gamma}, "
-                f"ignore_index={self.ignore_index}, sample_rate={self.sample_rate}, reduce_grads={self.reduce_grads!r}")
+                f"ignore_index={self.ignore_index}, sample_rate={self.sample_rate}, sparse_grad={self.sparse_grad}, "
+                f"reduce_grads={self.reduce_grads!r}")
 
 
 class _GatherRows(torch.autograd.Function):
