@@ -219,7 +219,7 @@ def test_module_is_the_mean_of_the_normalised_op(device):
     assert "num_classes=120, embedding_size=16" in repr(head)
 
 
-def _three_heads(num_classes, dim, device):
+def _single_process_heads(num_classes, dim, device):
     """The single-process head and the PML-shaped one, with the same
     float32 weights (each keeps them in its own layout)."""
     head = circle_loss.ClassCircleLoss(num_classes, dim, margin=0.25, gamma=64.0).to(device)
@@ -237,7 +237,7 @@ def test_heads_train_float32_weights_from_half_precision_rows(device, dtype, aut
     # gradient float32; against the float64 head.
     if device.type == "cpu" and dtype == torch.float16 and autocast:
         pytest.skip("CPU autocast runs bfloat16")
-    head, pml_head = _three_heads(300, 32, device)
+    head, pml_head = _single_process_heads(300, 32, device)
     embeddings = torch.randn(80, 32, dtype=torch.float64, device=device)
     labels = torch.randint(0, 300, (80,), device=device)
     exact = circle_loss.ClassCircleLoss(300, 32, margin=0.25, gamma=64.0).to(device).double()
@@ -278,7 +278,7 @@ def test_heads_refuse_labels_outside_the_classes(device):
     # modules refuse them as cross_entropy does (the op itself keeps its rule).
     if device.type == "cuda":
         pytest.skip("on CUDA the refusal is a device-side assert, which ends the process's CUDA context")
-    head, pml_head = _three_heads(10, 8, device)
+    head, pml_head = _single_process_heads(10, 8, device)
     embeddings = torch.randn(4, 8, device=device)
     for labels in ([1, 2, 3, 10], [0, -1, 2, 3], [-100, 2, 3, 11]):
         y = torch.tensor(labels, device=device)

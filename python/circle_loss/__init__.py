@@ -231,14 +231,19 @@ def _check_embeddings(embeddings: torch.Tensor, prefix: str) -> None:
                            + str(embeddings.dtype))
 
 
+def _valid_labels(labels: torch.Tensor, num_classes: int, ignore_index: Optional[int]) -> torch.Tensor:
+    """Whether each label lies in [0, num_classes) or equals ignore_index."""
+    valid = (labels >= 0) & (labels < num_classes)
+    return valid if ignore_index is None else valid | (labels == ignore_index)
+
+
 def _check_labels_in_range(labels: torch.Tensor, num_classes: int, ignore_index: Optional[int], head: str) -> None:
     """Refuses a label outside [0, num_classes) other than ignore_index, as
     cross_entropy does: on the CPU at once, on CUDA asynchronously (a
     device-side assert, no host synchronisation), in TorchScript at once."""
-    valid = (labels >= 0) & (labels < num_classes)
+    valid = _valid_labels(labels, num_classes, ignore_index)
     message = head + ": labels must lie in [0, num_classes = " + str(num_classes) + ")"
     if ignore_index is not None:
-        valid = valid | (labels == ignore_index)
         message = message + " or equal ignore_index = " + str(ignore_index)
     if torch.jit.is_scripting():
         # TorchScript drops an _assert_async whose result nothing uses.
@@ -263,7 +268,7 @@ def _sampled_classes(labels: torch.Tensor, num_classes: int, sample_rate: float)
     all. Returns the kept classes, ascending, (K,), and each row's position
     among them, -1 for a label outside [0, num_classes). Synchronises with
     the host once (the number of distinct positives)."""
-    valid = (labels >= 0) & (labels < num_classes)
+    valid = _valid_labels(labels, num_classes, None)
     positives = torch.unique(labels[valid])  # ascending
     wanted = int(sample_rate * num_classes)
     if wanted > positives.numel():

@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from . import ClassCircleLoss as _OneProcessClassCircleLoss
-from . import _check_embeddings, _sampled_classes
 from . import (
     ANCHOR_DEFAULT_GAMMA,
     ANCHOR_DEFAULT_MARGIN,
@@ -45,6 +44,9 @@ from . import (
     CLASS_DEFAULT_MARGIN,
     DEFAULT_GAMMA,
     DEFAULT_MARGIN,
+    _check_embeddings,
+    _sampled_classes,
+    _valid_labels,
 )
 
 
@@ -334,7 +336,7 @@ def _agreed_class_batch(embeddings, labels, weight, num_classes, ignore_index, m
         _check_local(embeddings, labels, margin, gamma, "ClassCircleLoss")
         torch.ops.circle.class_loss(embeddings.to("meta"), labels.to("meta"),
                                     weight.to(device="meta", dtype=embeddings.dtype), margin, gamma)
-        valid = ((labels >= 0) & (labels < num_classes)) | (labels == ignore_index)
+        valid = _valid_labels(labels, num_classes, ignore_index)
         if not bool(valid.all()):
             wrong = labels[~valid][:5].tolist()
             raise RuntimeError(f"labels must lie in [0, num_classes = {num_classes}) or equal "
@@ -426,11 +428,11 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
     rank's classes: every class of the shard that labels a row of the global
     batch, and up to ``int(sample_rate * classes of the shard)`` in all,
     others drawn at random on each rank; ``last_kept`` holds the shard's
-    kept classes (global ids) of the last step. Each rank draws its shard's initial rows from a stream of its
-    own, seeded by one draw from the default generator (the same on every
-    rank, so the ranks' generators stay in step) and by the rank: every
-    class starts from its own row, as in the single-process head, though not
-    the same rows.
+    kept classes (global ids) of the last step. Each rank draws its shard's
+    initial rows from a stream of its own, seeded by one draw from the
+    default generator (the same on every rank, so the ranks' generators stay
+    in step) and by the rank: every class starts from its own row, as in the
+    single-process head, though not the same rows.
 
     Under DistributedDataParallel keep this head out of DDP (its shards
     differ by rank: wrap the backbone alone) and give it a plain optimiser:
