@@ -248,29 +248,34 @@ class ClassLossFunction : public torch::autograd::Function<ClassLossFunction> {
   // Arguments: ClassArgs's.
   static at::Tensor forward(
       AutogradContext* ctx, const at::Tensor& features, const at::Tensor& labels, const at::Tensor& weight,
-      double margin, double gamma) {
-    auto [losses, row_lse] = call_class_loss_forward({features, labels, weight, margin, gamma});
-    ctx->save_for_backward({features, labels, weight, row_lse});
+      double margin, double gamma, bool normalize, const std::optional<at::Tensor>& class_index) {
+    auto [losses, row_lse] =
+        call_class_loss_forward({features, labels, weight, margin, gamma, normalize, class_index});
+    ctx->save_for_backward({features, labels, weight, row_lse, or_undefined(class_index)});
     save_margin_and_gamma(ctx, margin, gamma);
+    ctx->saved_data["normalize"] = normalize;
     return losses;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     refuse_double_backward("circle::class_loss");
     const auto saved = ctx->get_saved_variables();
+    // Edges: features, labels, weight, then class_index where given.
     const bool features_grad = ctx->needs_input_grad(0);
     const bool weight_grad = ctx->needs_input_grad(2);
     const auto [margin, gamma] = margin_and_gamma(ctx);
-    const ClassArgs args{saved[0], saved[1], saved[2], margin, gamma};
+    const std::optional<at::Tensor> class_index = if_given(saved[4]);
+    const ClassArgs args{saved[0], saved[1], saved[2], margin, gamma, ctx->saved_data["normalize"].toBool(),
+                         class_index};
     auto [grad_features, grad_weight] =
         call_class_loss_backward(grad_outputs[0], args, saved[3], features_grad, weight_grad);
     return {features_grad ? grad_features : at::Tensor(), at::Tensor(), weight_grad ? grad_weight : at::Tensor(),
-            at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor class_loss_autograd(const ClassArgs& args) {
-  const auto& [features, labels, weight, margin, gamma] = args;
+  const auto& [features, labels, weight, margin, gamma, normalize, class_index] = args;
   TORCH_CHECK(
       !tangent_of(features).defined() && !tangent_of(weight).defined(),
       "circle::class_loss does not support forward-mode AD (torch.func.jvp, jacfwd, dual tensors): its kernels "
@@ -278,7 +283,7 @@ at::Tensor class_loss_autograd(const ClassArgs& args) {
       "or jacrev through circle_loss.class_loss).");
   if (at::GradMode::is_enabled() && (features.requires_grad() || weight.requires_grad())) {
     check_no_func_transform("circle::class_loss", "circle_loss.class_loss");
-    return ClassLossFunction::apply(features, labels, weight, margin, gamma);
+    return ClassLossFunction::apply(features, labels, weight, margin, gamma, normalize, class_index);
   }
   return std::get<0>(call_class_loss_forward(args));
 }

@@ -72,17 +72,19 @@ std::tuple<Tensor, Tensor> call_anchor_loss_with_row_grads(const AnchorArgs& a) 
 
 std::tuple<Tensor, Tensor> call_class_loss_forward(const ClassArgs& a) {
   static const auto op = find_op<std::tuple<Tensor, Tensor>(
-      const Tensor&, const Tensor&, const Tensor&, double, double)>("circle::_class_loss_forward");
-  return call_below_autograd(op, a.features, a.labels, a.weight, a.margin, a.gamma);
+      const Tensor&, const Tensor&, const Tensor&, double, double, bool, const OptionalTensor&)>(
+      "circle::_class_loss_forward");
+  return call_below_autograd(op, a.features, a.labels, a.weight, a.margin, a.gamma, a.normalize, a.class_index);
 }
 
 std::tuple<Tensor, Tensor> call_class_loss_backward(
     const Tensor& grad_losses, const ClassArgs& a, const Tensor& row_lse, bool features_grad, bool weight_grad) {
   static const auto op = find_op<std::tuple<Tensor, Tensor>(
-      const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double, bool, bool)>(
-      "circle::_class_loss_backward");
+      const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double, bool,
+      const OptionalTensor&, bool, bool)>("circle::_class_loss_backward");
   return call_below_autograd(
-      op, grad_losses, a.features, a.labels, a.weight, row_lse, a.margin, a.gamma, features_grad, weight_grad);
+      op, grad_losses, a.features, a.labels, a.weight, row_lse, a.margin, a.gamma, a.normalize, a.class_index,
+      features_grad, weight_grad);
 }
 
 } // namespace circle_loss

@@ -3,10 +3,17 @@
 #include "kernel_args.h"
 
 #include <ATen/OpMathType.h>
+#include <ATen/ops/_assert_async.h>
+#include <ATen/ops/all.h>
+#include <ATen/ops/ge.h>
+#include <ATen/ops/gt.h>
+#include <ATen/ops/logical_and.h>
+#include <ATen/ops/lt.h>
 #include <c10/core/SymBool.h>
 
 #include <cmath>
 #include <limits>
+#include <string>
 
 namespace circle_loss {
 
@@ -145,7 +152,7 @@ void check_anchor_inputs(const AnchorArgs& args) {
 
 void check_class_inputs(const ClassArgs& args) {
   constexpr const char* op = "circle::class_loss";
-  const auto& [features, labels, weight, margin, gamma] = args;
+  const auto& [features, labels, weight, margin, gamma, normalize, class_index] = args;
   check_rows(op, "features", "labels", "B", features, labels);
   TORCH_CHECK(weight.defined(), op, ": weight must be a tensor of shape (C, D), got None");
   TORCH_CHECK(
@@ -153,13 +160,50 @@ void check_class_inputs(const ClassArgs& args) {
   TORCH_SYM_CHECK(
       weight.sym_size(1).sym_eq(features.sym_size(1)),
       op, ": weight must have the width D of features, got ", weight.sym_size(1), " and ", features.sym_size(1));
+  const auto dtype = weight.scalar_type();
   TORCH_CHECK(
-      weight.scalar_type() == features.scalar_type(),
-      op, ": weight must have the dtype of features, got ", weight.scalar_type(), " and ", features.scalar_type());
+      dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,
+      op, ": weight must be float32, float64, float16 or bfloat16, got ", dtype);
   TORCH_CHECK(
       weight.device() == features.device(),
       op, ": weight must be on the device of features, got ", weight.device(), " and ", features.device());
+  if (is_given(class_index)) {
+    const at::Tensor& index = *class_index;
+    TORCH_CHECK(
+        index.dim() == 1,
+        op, ": class_index must be a 1-D tensor of shape (K,), got ", index.dim(), " dimension(s)");
+    TORCH_CHECK(
+        at::isIntegralType(index.scalar_type(), /*includeBool=*/false),
+        op, ": class_index must have an integer dtype, got ", index.scalar_type());
+    TORCH_CHECK(
+        index.device() == features.device(),
+        op, ": class_index must be on the device of features, got ", index.device(), " and ", features.device());
+  }
   check_margin_and_gamma(op, margin, gamma, features.scalar_type());
+}
+
+void check_class_index_values(const ClassArgs& args) {
+  if (!is_given(args.class_index) || args.class_index->numel() == 0) return;
+  const at::Tensor index = args.class_index->to(at::kLong);
+  const int64_t classes = args.weight.size(0);
+  constexpr const char* rule = "circle::class_loss: class_index must be strictly increasing, with entries in [0, C)";
+  if (index.is_cpu()) {
+    const at::Tensor values = index.contiguous();
+    const int64_t* k = values.const_data_ptr<int64_t>();
+    const int64_t n = values.numel();
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(
+          k[i] >= 0 && k[i] < classes && (i == 0 || k[i] > k[i - 1]),
+          rule, " (C = ", classes, "), got ", k[i], " at position ", i, i > 0 ? " after " : "",
+          i > 0 ? std::to_string(k[i - 1]) : std::string());
+    }
+  } else {
+    // On the device: no host synchronisation, as cross_entropy's label check.
+    const int64_t n = index.numel();
+    const at::Tensor ordered = at::all(at::gt(index.narrow(0, 1, n - 1), index.narrow(0, 0, n - 1)));
+    const at::Tensor in_range = at::logical_and(at::ge(index[0], 0), at::lt(index[n - 1], classes));
+    at::_assert_async(at::logical_and(ordered, in_range), rule);
+  }
 }
 
 void check_row_lse_backward_inputs(

@@ -64,15 +64,29 @@ struct AnchorArgs {
 void check_anchor_inputs(const AnchorArgs& args);
 
 // circle::class_loss and the private ops behind it.
+constexpr double kNormalizeEps = 1e-12; // torch.nn.functional.normalize's eps, as normalize takes it
 struct ClassArgs {
   const at::Tensor& features; // (B, D)
   const at::Tensor& labels; // (B,)
   const at::Tensor& weight; // (C, D)
   double margin, gamma;
+  bool normalize; // cosine similarities: rows and classes L2-normalised inside
+  const std::optional<at::Tensor>& class_index; // (K,)?: the columns are weight[class_index]
+
+  // The number of columns: K with a class index, else C.
+  int64_t columns() const {
+    return is_given(class_index) ? class_index->size(0) : weight.size(0);
+  }
 };
-// features and labels as check_inputs requires; weight with features'
-// width, dtype and device.
+// features and labels as check_inputs requires; weight floating, with
+// features' width and device; class_index integer and 1-D on that device.
+// Its values (strictly increasing, in [0, C)) are the backend's to check:
+// the CPU's at once, CUDA's by an asynchronous device-side assert
+// (check_class_index_values).
 void check_class_inputs(const ClassArgs& args);
+// class_index's values: strictly increasing and in [0, C), so that each
+// class is one column and each row of weight's gradient has one writer.
+void check_class_index_values(const ClassArgs& args);
 
 // The adapters, one per flat signature of the schema (registration.cpp).
 // Each takes the kernel it calls as a template argument, so a registration
@@ -164,8 +178,9 @@ std::tuple<at::Tensor, at::Tensor> anchor_loss_with_row_grads_kernel(
 
 template <auto kernel> // class_loss and _class_loss_forward (ClassArgs)
 auto class_kernel(
-    const at::Tensor& features, const at::Tensor& labels, const at::Tensor& weight, double margin, double gamma) {
-  const ClassArgs args{features, labels, weight, margin, gamma};
+    const at::Tensor& features, const at::Tensor& labels, const at::Tensor& weight, double margin, double gamma,
+    bool normalize, const std::optional<at::Tensor>& class_index) {
+  const ClassArgs args{features, labels, weight, margin, gamma, normalize, class_index};
   check_class_inputs(args);
   return kernel(args);
 }
@@ -175,8 +190,9 @@ auto class_kernel(
 template <auto kernel>
 std::tuple<at::Tensor, at::Tensor> class_loss_backward_kernel(
     const at::Tensor& grad_losses, const at::Tensor& features, const at::Tensor& labels, const at::Tensor& weight,
-    const at::Tensor& row_lse, double margin, double gamma, bool features_grad, bool weight_grad) {
-  const ClassArgs args{features, labels, weight, margin, gamma};
+    const at::Tensor& row_lse, double margin, double gamma, bool normalize,
+    const std::optional<at::Tensor>& class_index, bool features_grad, bool weight_grad) {
+  const ClassArgs args{features, labels, weight, margin, gamma, normalize, class_index};
   check_class_inputs(args);
   check_row_lse_backward_inputs("circle::_class_loss_backward", grad_losses, features, row_lse);
   return kernel(grad_losses, args, row_lse, features_grad, weight_grad);

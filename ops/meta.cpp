@@ -75,8 +75,8 @@ std::tuple<at::Tensor, at::Tensor> class_loss_backward_meta(
   return {
       features_grad ? at::empty_symint(features.sym_sizes(), features.options())
                     : at::empty_symint({0, dim}, features.options()),
-      weight_grad ? at::empty_symint(args.weight.sym_sizes(), features.options())
-                  : at::empty_symint({0, dim}, features.options())};
+      weight_grad ? at::empty_symint(args.weight.sym_sizes(), args.weight.options())
+                  : at::empty_symint({0, dim}, args.weight.options())};
 }
 
 } // namespace

@@ -48,31 +48,33 @@ TORCH_LIBRARY(circle, m) {
       "_anchor_loss_with_row_grads(Tensor features, Tensor labels, Tensor ref_features, Tensor ref_labels, float margin, float gamma, Tensor? ref_self_index=None) -> (Tensor, Tensor)");
 
   // The class-level form (the paper's classification head): each row of
-  // features against the C rows of weight (class proxies), the column
+  // features against the class weights (class proxies), the column
   // labels[i] its one positive, every other column a negative
-  // (docs/math.md). A label outside [0, C) leaves the row without a positive
-  // and its loss 0. Kernels: one for every backend runs _class_loss_forward
-  // for the losses alone; the Autograd kernel routes through it and
-  // _class_loss_backward.
+  // (docs/math.md). normalize: the similarities are cosines, rows and
+  // classes L2-normalised inside the op (as normalize(x, dim=1) does them),
+  // which forms no normalised copy and folds normalize's backward into the
+  // gradients. class_index (K,), strictly increasing in [0, C): the columns
+  // are the classes weight[class_index] (Partial FC's kept classes), labels
+  // are positions among them, and weight's gradient is 0 outside them.
+  // weight may have another floating dtype than features (float32 weights
+  // under half-precision rows): it enters at features' precision, and its
+  // gradient comes back in its own dtype. A label outside the columns
+  // leaves the row without a positive and its loss 0. Kernels: one for
+  // every backend runs _class_loss_forward for the losses alone; the
+  // Autograd kernel routes through it and _class_loss_backward.
   m.def(
-      "class_loss(Tensor features, Tensor labels, Tensor weight, float margin=0.25, float gamma=256.0) -> Tensor");
+      "class_loss(Tensor features, Tensor labels, Tensor weight, float margin=0.25, float gamma=256.0, *, bool normalize=False, Tensor? class_index=None) -> Tensor");
   // -> (losses (B,), row_lse (B, 2)): row i's (zp_i, LSE_N(i)) in the
   // accumulation dtype, -inf where the row has no positive or no negative,
   // the layout of _anchor_loss_forward's row_lse (a single positive's LSE is
   // its logit).
   m.def(
-      "_class_loss_forward(Tensor features, Tensor labels, Tensor weight, float margin, float gamma) -> (Tensor, Tensor)");
+      "_class_loss_forward(Tensor features, Tensor labels, Tensor weight, float margin, float gamma, bool normalize, Tensor? class_index) -> (Tensor, Tensor)");
   // -> (grad_features (B, D) if features_grad else (0, D), grad_weight
-  // (C, D) if weight_grad else (0, D)), for the incoming gradient
-  // grad_losses (B,).
+  // (C, D) in weight's dtype if weight_grad else (0, D)), for the incoming
+  // gradient grad_losses (B,).
   m.def(
-      "_class_loss_backward(Tensor grad_losses, Tensor features, Tensor labels, Tensor weight, Tensor row_lse, float margin, float gamma, bool features_grad, bool weight_grad) -> (Tensor, Tensor)");
-
-  // x / max(‖x_i‖, 1e-12) row by row, as torch.nn.functional.normalize(x,
-  // dim=1) gives it, with a backward of its own that holds one (N, D) buffer
-  // where autograd's of normalize holds several: the class-level modules
-  // normalise their (C, D) class weights with it every step.
-  m.def("_normalize_rows(Tensor x) -> Tensor");
+      "_class_loss_backward(Tensor grad_losses, Tensor features, Tensor labels, Tensor weight, Tensor row_lse, float margin, float gamma, bool normalize, Tensor? class_index, bool features_grad, bool weight_grad) -> (Tensor, Tensor)");
 
   // Pieces of the loss over the pairs of two row blocks, for computing it
   // sharded (circle_loss.distributed). Partials are float64 rows

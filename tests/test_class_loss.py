@@ -191,6 +191,14 @@ def test_opcheck(device, requires_grad):
         labels = torch.randint(0, classes, (batch,), device=device)
         for args in [(features, labels, weight), (features, labels, weight, 0.3, 32.0)]:
             torch.library.opcheck(torch.ops.circle.class_loss.default, args, test_utils=OPCHECK_TESTS)
+        # Raw rows and classes normalised inside, through a class index, with
+        # weights of another dtype.
+        index = torch.sort(torch.randperm(classes, device=device)[: max(1, classes // 2)])[0]
+        positions = torch.randint(0, len(index), (batch,), device=device)
+        raw = (3 * features).detach().requires_grad_(requires_grad)
+        for w in (weight, weight.detach().double().requires_grad_(requires_grad)):
+            torch.library.opcheck(torch.ops.circle.class_loss.default, (raw, positions, w),
+                                  {"normalize": True, "class_index": index}, test_utils=OPCHECK_TESTS)
 
 
 def test_opcheck_internal_ops(device):
@@ -198,14 +206,19 @@ def test_opcheck_internal_ops(device):
     weight = make_classes(70, 8, device)
     labels = torch.randint(0, 70, (40,), device=device)
     tests = ("test_schema", "test_autograd_registration", "test_faketensor")
-    args = (features, labels, weight, 0.25, 64.0)
-    torch.library.opcheck(torch.ops.circle._class_loss_forward.default, args, test_utils=tests)
-    _, row_lse = torch.ops.circle._class_loss_forward(*args)
-    for f_grad in (False, True):
-        for w_grad in (False, True):
-            torch.library.opcheck(torch.ops.circle._class_loss_backward.default,
-                                  (torch.rand(40, device=device), *args[:3], row_lse, 0.25, 64.0, f_grad, w_grad),
-                                  test_utils=tests)
+    index = torch.arange(0, 70, 3, device=device)
+    for normalize, class_index in ((False, None), (True, index)):
+        positions = labels if class_index is None else labels % len(index)
+        args = (2 * features, positions, weight, 0.25, 64.0, normalize, class_index)
+        torch.library.opcheck(torch.ops.circle._class_loss_forward.default, args, test_utils=tests)
+        _, row_lse = torch.ops.circle._class_loss_forward(*args)
+        for f_grad in (False, True):
+            for w_grad in (False, True):
+                torch.library.opcheck(
+                    torch.ops.circle._class_loss_backward.default,
+                    (torch.rand(40, device=device), *args[:3], row_lse, 0.25, 64.0, normalize, class_index, f_grad,
+                     w_grad),
+                    test_utils=tests)
 
 
 def test_module_is_the_mean_of_the_normalised_op(device):
@@ -344,7 +357,7 @@ def test_module_scripted_compiled_exported(device, tmp_path):
     batch = torch.export.Dim("batch", min=2)
     program = torch.export.export(head, (embeddings, labels), dynamic_shapes=({0: batch}, {0: batch}))
     assert [str(n.target) for n in program.graph.nodes if "circle" in str(n.target)] == [
-        "circle._normalize_rows.default", "circle.class_loss.default"]
+        "circle.class_loss.default"]
     e, y = torch.randn(33, 8, device=device), torch.randint(0, 64, (33,), device=device)
     torch.testing.assert_close(program.module()(e, y), head(e, y))
 
@@ -400,7 +413,7 @@ def test_double_backward_is_refused(device):
     "make_args,message",
     [
         (lambda f, y, w: (f, y, w[:, :4]), "weight must have the width D of features"),
-        (lambda f, y, w: (f, y, w.double()), "weight must have the dtype of features"),
+        (lambda f, y, w: (f, y, w.long()), "weight must be float32, float64, float16 or bfloat16"),
         (lambda f, y, w: (f, y, w[0]), "weight must be a 2-D tensor"),
         (lambda f, y, w: (f, y, None), "weight must be a tensor"),
         (lambda f, y, w: (f, y[:-1], w), "labels must have one entry per row of features"),
@@ -445,27 +458,116 @@ def test_memory_never_holds_batch_by_classes():
     assert grown < 256 * 400_000 * 4 / 4, f"peak grew by {grown / 2**20:.0f} MiB"
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_normalize_rows_is_normalize_with_a_leaner_backward(device, dtype):
-    # The modules' normalisation of the class weights: the values and the
-    # gradient of torch.nn.functional.normalize(x, dim=1), zero rows included,
-    # held to the float64 gradient as tightly as normalize's own in the dtype.
-    x = torch.randn(50, 12, device=device, dtype=dtype)
-    x[7] = 0
-    x[9] = 1e-14  # below normalize's eps: divided by eps, no projection
-    dy = torch.randn_like(x)
-    grads = {}
-    for name, fn, d in (("ours", torch.ops.circle._normalize_rows, dtype),
-                        ("normalize", lambda t: F.normalize(t, dim=1), dtype),
-                        ("float64", lambda t: F.normalize(t, dim=1), torch.float64)):
-        leaf = x.to(d).clone().requires_grad_()
-        y = fn(leaf)
-        (y * dy.to(d)).sum().backward()
-        grads[name] = (y.detach(), leaf.grad)
-    torch.testing.assert_close(grads["ours"][0], grads["normalize"][0])
-    own_error = relative_error(grads["normalize"][1], grads["float64"][1])
-    assert relative_error(grads["ours"][1], grads["float64"][1]) <= max(2 * own_error, 1e-12)
-    torch.library.opcheck(torch.ops.circle._normalize_rows.default, (x.requires_grad_(),), test_utils=OPCHECK_TESTS)
+def raw_inputs(batch, classes, dim, device, dtype=torch.float64, degenerate=True):
+    """Rows and classes of assorted norms, as normalize=True takes them;
+    `degenerate`: a zero row and a class below normalize's eps among them
+    (whose gradients, divided by eps, overflow half precision)."""
+    features = torch.randn(batch, dim, dtype=torch.float64) * torch.rand(batch, 1, dtype=torch.float64) * 5
+    weight = torch.randn(classes, dim, dtype=torch.float64) * torch.rand(classes, 1, dtype=torch.float64) * 5
+    if degenerate:
+        features[0] = 0
+        weight[min(1, classes - 1)] = 1e-14  # divided by eps, no projection
+    return features.to(device, dtype), weight.to(device, dtype)
+
+
+def reference_of_cosines(features, labels, weight, class_index=None, margin=0.25, gamma=64.0, weights=None):
+    """The float64 reference of the loss of normalize(features) against
+    normalize(weight[class_index]), with its gradients at the raw inputs
+    (normalize's own backward, through autograd)."""
+    f = features.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    columns = w if class_index is None else w[class_index]
+    losses, grad_fn, grad_cn = class_reference_and_grads(F.normalize(f, dim=1), labels, F.normalize(columns, dim=1),
+                                                         margin, gamma, weights)
+    grad_f, grad_w = torch.autograd.grad([F.normalize(f, dim=1), F.normalize(columns, dim=1)], [f, w],
+                                         [grad_fn, grad_cn])
+    return losses, grad_f, grad_w
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("batch,classes,dim", [(1, 1, 4), (37, 300, 16), (300, 2, 8), (1100, 700, 12)])
+@pytest.mark.parametrize("indexed", [False, True])
+def test_normalize_and_class_index_match_the_reference(device, dtype, batch, classes, dim, indexed):
+    features, weight = raw_inputs(batch, classes, dim, device, dtype)
+    index = torch.sort(torch.randperm(classes, device=device)[: max(1, classes // 3)])[0] if indexed else None
+    columns = classes if index is None else len(index)
+    labels = torch.randint(0, columns, (batch,), device=device)
+    labels[batch // 2] = columns  # outside the columns: no positive, loss 0
+    g = torch.rand(batch, dtype=torch.float64, device=device)
+    f, w = features.clone().requires_grad_(), weight.clone().requires_grad_()
+    losses = circle_loss.class_loss(f, labels, w, 0.25, 64.0, normalize=True, class_index=index)
+    (losses * g.to(dtype)).sum().backward()
+    ref_losses, ref_f, ref_w = reference_of_cosines(features, labels, weight, index, weights=g)
+    loss_tol, grad_tol = TOLERANCE[dtype]
+    if dtype == torch.float32:
+        grad_tol = max(grad_tol, 1e-4)  # gamma = 64 times float32's rounding of S
+    assert losses.dtype == dtype and losses[batch // 2] == 0
+    assert relative_error(losses, ref_losses) <= loss_tol
+    assert relative_error(f.grad, ref_f, floor=1e-30) <= grad_tol
+    assert relative_error(w.grad, ref_w, floor=1e-30) <= grad_tol
+    if index is not None:
+        outside = torch.ones(classes, dtype=torch.bool, device=device)
+        outside[index] = False
+        assert (w.grad[outside] == 0).all()
+
+
+@pytest.mark.parametrize("features_dtype,weight_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                                         (torch.float32, torch.float64), (torch.float64, torch.float32),
+                                                         (torch.float32, torch.bfloat16)])
+def test_weight_of_another_dtype(device, features_dtype, weight_dtype):
+    # The weights enter at least at the rows' precision; each gradient comes
+    # back in its own tensor's dtype.
+    features, weight = raw_inputs(64, 90, 16, device, features_dtype, degenerate=False)
+    weight = weight.to(weight_dtype)
+    labels = torch.randint(0, 90, (64,), device=device)
+    f, w = features.clone().requires_grad_(), weight.clone().requires_grad_()
+    losses = circle_loss.class_loss(f, labels, w, 0.25, 64.0, normalize=True)
+    losses.sum().backward()
+    assert losses.dtype == features_dtype and f.grad.dtype == features_dtype and w.grad.dtype == weight_dtype
+    ref_losses, ref_f, ref_w = reference_of_cosines(features, labels, weight)
+    highest = max((features_dtype, weight_dtype), key=lambda d: torch.finfo(d).eps)
+    loss_tol, grad_tol = TOLERANCE[highest if highest in (torch.float16, torch.bfloat16) else torch.float32]
+    assert relative_error(losses.double(), ref_losses) <= loss_tol
+    assert relative_error(f.grad.double(), ref_f, floor=1e-30) <= max(grad_tol, 1e-4)
+    assert relative_error(w.grad.double(), ref_w, floor=1e-30) <= max(grad_tol, 1e-4)
+
+
+@pytest.mark.parametrize(
+    "make_index,message",
+    [
+        (lambda c: torch.tensor([0, 2, 2, 5]), r"class_index must be strictly increasing, with entries in \[0, C\) "
+                                               r"\(C = 9\), got 2 at position 2 after 2"),
+        (lambda c: torch.tensor([3, 1]), ".* got 1 at position 1 after 3"),
+        (lambda c: torch.tensor([-1, 4]), ".* got -1 at position 0"),
+        (lambda c: torch.tensor([4, 9]), ".* got 9 at position 1 after 4"),
+        (lambda c: torch.tensor([[1, 2]]), "class_index must be a 1-D tensor of shape"),
+        (lambda c: torch.tensor([1.0, 2.0]), "class_index must have an integer dtype"),
+    ],
+)
+def test_bad_class_index_is_named(make_index, message):
+    features, weight = raw_inputs(6, 9, 4, "cpu", torch.float32)
+    labels = torch.zeros(6, dtype=torch.long)
+    for requires_grad in (False, True):
+        with pytest.raises(RuntimeError, match=f"circle::class_loss: {message}"):
+            circle_loss.class_loss(features.requires_grad_(requires_grad), labels, weight, normalize=True,
+                                   class_index=make_index(9))
+
+
+def test_bad_class_index_is_a_device_side_assert_on_cuda(device):
+    # On CUDA the values are checked on the device, with no host
+    # synchronisation: the assert ends the process's CUDA context, so the
+    # call runs in a process of its own.
+    if device.type != "cuda":
+        pytest.skip("on the CPU the index is refused at once (test_bad_class_index_is_named)")
+    code = """
+        import torch, circle_loss
+        f, w = torch.randn(6, 4, device="cuda"), torch.randn(9, 4, device="cuda")
+        circle_loss.class_loss(f, torch.zeros(6, dtype=torch.long, device="cuda"), w, normalize=True,
+                               class_index=torch.tensor([0, 3, 3], device="cuda"))
+        torch.cuda.synchronize()
+        """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "device-side assert" in out.stderr, out.stderr
 
 
 # Partial FC's class sampling (sample_rate < 1).

@@ -1,8 +1,9 @@
 // CPU kernels of circle::class_loss, the class-level form (docs/math.md):
-// row i of F against the C class weights W, its own class y_i the one
-// positive, every other class a negative.
+// row i of F against the columns of W (the class weights, or those the
+// class index keeps), its own class y_i the one positive, every other
+// column a negative.
 //
-// The pairs are visited in tiles of S = F Wᵀ, kRowTile rows by kTile classes:
+// The pairs are visited in tiles of S = F Wᵀ, kRowTile rows by kTile columns:
 //   forward   each row's positive logit zp_i, from the one tile that holds
 //             column y_i, and (max, Σ exp(z - max)) of its negatives; then
 //             L_i = softplus(zp_i + LSE_N(i)).
@@ -10,14 +11,22 @@
 //             g_i·σ(Z_i)·(-γ·αp_i) for the positive (its set's only member,
 //             softmax weight 1); dF = G W and dW = Gᵀ F.
 // The label says where each row's positive is: no label compare an entry,
-// and no C-long label vector. Tasks take (row block, share of the classes),
+// and no C-long label vector. Tasks take (row block, share of the columns),
 // the shares' sums then merged in share order, so that results are bitwise
 // the same for any thread count.
+//
+// A block of columns is taken as a view of W where it can be, else loaded
+// into the task's own (kTile, D) buffer: gathered through the class index,
+// cast to the compute dtype, and, with normalize, scaled by its rows'
+// inverse norms. So normalisation and the gather cost a pass over a block
+// that the block's products then read from cache, no normalised (C, D)
+// copy exists, and normalize's backward, (dy - y⟨y, dy⟩)/max(‖x‖, eps), is
+// applied to each block of dW as it is finished, before it is stored into
+// weight's rows in weight's dtype.
 #include "tiles.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
@@ -109,52 +118,188 @@ void merge_negatives(const T* z, const ClassTile& tile, LseState<double>* states
   for (int64_t r = 0; r < n_rows; ++r) states[tile.row0 + r].merge(row_max[r], row_sum[r]);
 }
 
-// Labels as int64, and F and W in the compute dtype.
+// normalize(x, dim=1) of n rows of width d, in place: norms[r] = max(‖x_r‖,
+// eps), and x_r divided by it.
+template <typename T>
+void normalize_rows(T* x, int64_t n, int64_t d, T* norms) {
+  for (int64_t r = 0; r < n; ++r) {
+    T* __restrict__ row = x + r * d;
+    T squares = 0;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t k = 0; k < d; ++k) squares += row[k] * row[k];
+    const T norm = std::max(std::sqrt(squares), static_cast<T>(kNormalizeEps));
+    norms[r] = norm;
+#pragma omp simd
+    for (int64_t k = 0; k < d; ++k) row[k] /= norm;
+  }
+}
+
+// normalize's backward, in place: dy (n, d), the gradient at y =
+// normalize(x), becomes the gradient at x, (dy - y⟨y, dy⟩)/norm, with
+// ⟨y, dy⟩ taken as 0 where the norm was clamped at eps (normalize's own
+// backward: the clamp passes no gradient to the norm).
+template <typename T>
+void normalize_rows_backward(T* dy, const T* y, const T* norms, int64_t n, int64_t d) {
+  for (int64_t r = 0; r < n; ++r) {
+    T* __restrict__ g = dy + r * d;
+    const T* __restrict__ yr = y + r * d;
+    T along = 0;
+    if (norms[r] > static_cast<T>(kNormalizeEps)) {
+#pragma omp simd reduction(+ : along)
+      for (int64_t k = 0; k < d; ++k) along += yr[k] * g[k];
+    }
+    const T norm = norms[r];
+#pragma omp simd
+    for (int64_t k = 0; k < d; ++k) g[k] = (g[k] - yr[k] * along) / norm;
+  }
+}
+
+// Rows first, ..., first + n - 1 of the columns, as rows of `weight` (C, D)
+// in its own dtype (through index where given), into out (n, D) in T.
+template <typename T>
+void load_rows(const at::Tensor& weight, const int64_t* index, int64_t first, int64_t n, T* out) {
+  const int64_t d = weight.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "circle_class_load_rows", [&] {
+    const scalar_t* w = weight.const_data_ptr<scalar_t>();
+    for (int64_t r = 0; r < n; ++r) {
+      const scalar_t* __restrict__ src = w + (index ? index[first + r] : first + r) * d;
+      T* __restrict__ dst = out + r * d;
+      for (int64_t k = 0; k < d; ++k) dst[k] = static_cast<T>(src[k]);
+    }
+  });
+}
+
+// rows (n, D) in T into the rows of `out` (C, D), in its own dtype, that the
+// columns first, ..., first + n - 1 are (through index where given).
+template <typename T>
+void store_rows(const T* rows, const int64_t* index, int64_t first, int64_t n, at::Tensor& out) {
+  const int64_t d = out.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "circle_class_store_rows", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < n; ++r) {
+      const T* __restrict__ src = rows + r * d;
+      scalar_t* __restrict__ dst = o + (index ? index[first + r] : first + r) * d;
+      for (int64_t k = 0; k < d; ++k) dst[k] = static_cast<scalar_t>(src[k]);
+    }
+  });
+}
+
+// A block of columns as the products take them.
+template <typename T>
+struct ColumnBlock {
+  at::Tensor rows; // (n, D) in T: W's rows, normalised where asked
+  std::vector<T> norms; // (n,) max(‖w_j‖, eps), with normalize
+};
+
+// The rows of F in the compute dtype T (normalised where asked), W and the
+// class index as the kernels read them, and labels as int64.
+template <typename T>
 struct ClassInputs {
-  at::Tensor f; // (B, D)
-  at::Tensor w; // (C, D)
+  const ClassArgs& args;
+  at::Tensor f; // (B, D) in T, contiguous, normalised where asked
+  std::vector<T> f_norms; // (B,) max(‖f_i‖, eps), with normalize
+  at::Tensor weight; // (C, D), contiguous, in its own dtype
+  at::Tensor index; // (K,) int64, contiguous, or undefined
   at::Tensor labels; // (B,) int64
+  int64_t columns;
+  // The blocks are views of W: T, every class, nothing to scale.
+  bool blocks_are_views;
 
-  ClassInputs(const at::Tensor& features, const at::Tensor& labels_, const at::Tensor& weight)
-      : f(features.to(compute_dtype(features)).contiguous()),
-        w(weight.to(compute_dtype(features)).contiguous()),
-        labels(labels_.to(at::kLong).contiguous()) {}
+  explicit ClassInputs(const ClassArgs& a)
+      : args(a),
+        f(a.features.to(c10::CppTypeToScalarType<T>::value, /*non_blocking=*/false, /*copy=*/a.normalize)
+              .contiguous()),
+        weight(a.weight.contiguous()),
+        index(is_given(a.class_index) ? a.class_index->to(at::kLong).contiguous() : at::Tensor()),
+        labels(a.labels.to(at::kLong).contiguous()),
+        columns(a.columns()),
+        blocks_are_views(!a.normalize && !index.defined() && weight.scalar_type() == f.scalar_type()) {
+    check_class_index_values(a);
+    if (a.normalize) {
+      f_norms.resize(f.size(0));
+      normalize_rows(f.data_ptr<T>(), f.size(0), f.size(1), f_norms.data());
+    }
+  }
 
-  // The tile (bi, bj) of S, written into the front of a task's own buffer:
-  // a fresh allocation a tile would be mapped and faulted in each time.
-  at::Tensor tile_of_s(int64_t bi, int64_t bj, at::Tensor& buffer) const {
-    const ClassTile t = tile(bi, bj);
+  // Column block bj, into the task's buffer (kTile, D) unless a view serves.
+  ColumnBlock<T> column_block(int64_t bj, at::Tensor& buffer) const {
+    const int64_t first = bj * kTile, n = std::min(kTile, columns - first);
+    if (blocks_are_views) return {weight.narrow(0, first, n), {}};
+    if (!buffer.defined()) buffer = at::empty({kTile, f.size(1)}, f.options());
+    ColumnBlock<T> block{buffer.narrow(0, 0, n), {}};
+    T* rows = block.rows.template data_ptr<T>();
+    load_rows(weight, index.defined() ? index.const_data_ptr<int64_t>() : nullptr, first, n, rows);
+    if (args.normalize) {
+      block.norms.resize(n);
+      normalize_rows(rows, n, f.size(1), block.norms.data());
+    }
+    return block;
+  }
+
+  // A block's dW (n, D) in T, the gradient at its rows as the products took
+  // them, stored into grad_w's rows: normalize's backward applied, through
+  // the index, in weight's dtype. Unless it is already there (views).
+  void store_weight_grad(int64_t bj, const ColumnBlock<T>& block, at::Tensor& grad_block, at::Tensor& grad_w) const {
+    if (blocks_are_views) return;
+    const int64_t n = block.rows.size(0), d = f.size(1);
+    T* g = grad_block.data_ptr<T>();
+    if (args.normalize) normalize_rows_backward(g, block.rows.template const_data_ptr<T>(), block.norms.data(), n, d);
+    store_rows(g, index.defined() ? index.const_data_ptr<int64_t>() : nullptr, bj * kTile, n, grad_w);
+  }
+
+  // Where a block's dW is summed: grad_w's own rows (views), else the
+  // task's buffer (kTile, D).
+  at::Tensor weight_grad_block(int64_t bj, int64_t n, at::Tensor& grad_w, at::Tensor& buffer) const {
+    if (blocks_are_views) return grad_w.narrow(0, bj * kTile, n);
+    if (!buffer.defined()) buffer = at::empty({kTile, f.size(1)}, f.options());
+    return buffer.narrow(0, 0, n);
+  }
+
+  // The tile (bi, bj) of S against the block's rows, written into the front
+  // of a task's own buffer: a fresh allocation a tile would be mapped and
+  // faulted in each time.
+  at::Tensor tile_of_s(int64_t bi, const ColumnBlock<T>& block, at::Tensor& buffer) const {
+    const int64_t rows = std::min(kRowTile, f.size(0) - bi * kRowTile), cols = block.rows.size(0);
     if (!buffer.defined()) buffer = at::empty({kRowTile * kTile}, f.options());
-    at::Tensor s = buffer.narrow(0, 0, t.rows * t.cols).view({t.rows, t.cols});
-    return at::mm_out(s, rows_of(f, bi), block_of(w, bj).t());
+    at::Tensor s = buffer.narrow(0, 0, rows * cols).view({rows, cols});
+    return at::mm_out(s, rows_of(f, bi), block.rows.t());
   }
 
   ClassTile tile(int64_t bi, int64_t bj) const {
     return {bi * kRowTile, bj * kTile, std::min(kRowTile, f.size(0) - bi * kRowTile),
-            std::min(kTile, w.size(0) - bj * kTile)};
+            std::min(kTile, columns - bj * kTile)};
+  }
+
+  // dF at the rows as the products took them, (B, D) in T, made the
+  // gradient at features, in features' dtype.
+  at::Tensor features_grad(at::Tensor grad_f) const {
+    if (args.normalize && grad_f.numel() > 0) {
+      normalize_rows_backward(grad_f.data_ptr<T>(), f.const_data_ptr<T>(), f_norms.data(), f.size(0), f.size(1));
+    }
+    return grad_f.to(args.features.scalar_type());
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> class_loss_forward_cpu(const ClassArgs& args) {
-  const auto& [features, labels, weight, margin, gamma] = args;
   const NoAutocast no_autocast;
-  const ClassInputs in(features, labels, weight);
-  const int64_t batch = features.size(0);
-  at::Tensor losses = at::empty({batch}, features.options());
-  at::Tensor row_lse = at::empty({batch, 2}, in.f.options());
-  AT_DISPATCH_FLOATING_TYPES(in.f.scalar_type(), "circle_class_loss_cpu", [&] {
+  const int64_t batch = args.features.size(0);
+  at::Tensor losses = at::empty({batch}, args.features.options());
+  at::Tensor row_lse = at::empty({batch, 2}, args.features.options().dtype(compute_dtype(args.features)));
+  AT_DISPATCH_FLOATING_TYPES(row_lse.scalar_type(), "circle_class_loss_cpu", [&] {
     using T = scalar_t;
-    const PairLogit<T> logit = pair_logit<T>(margin, gamma);
-    const int64_t* y = in.labels.data_ptr<int64_t>();
+    const ClassInputs<T> in(args);
+    const PairLogit<T> logit = pair_logit<T>(args.margin, args.gamma);
+    const int64_t* y = in.labels.template data_ptr<int64_t>();
     // zp: written by the one tile that holds the row's class, else -inf.
     std::vector<T> zp(batch, -std::numeric_limits<T>::infinity());
-    const ColumnGroups split = ColumnGroups::for_states(batch, weight.size(0), kRowTile);
+    const ColumnGroups split = ColumnGroups::for_states(batch, in.columns, kRowTile);
     std::vector<std::vector<LseState<double>>> shares(split.groups, std::vector<LseState<double>>(batch));
     for_each_task(split.row_blocks * split.groups, [&](int64_t t) {
       const int64_t bi = t / split.groups, g = t % split.groups;
-      at::Tensor buffer;
+      at::Tensor block_buffer, tile_buffer;
       for (int64_t bj = split.first(g); bj < split.first(g + 1); ++bj) {
-        at::Tensor s = in.tile_of_s(bi, bj, buffer);
+        const ColumnBlock<T> block = in.column_block(bj, block_buffer);
+        at::Tensor s = in.tile_of_s(bi, block, tile_buffer);
         const ClassTile tile = in.tile(bi, bj);
         negative_logits(s.data_ptr<T>(), tile, y, logit, zp.data());
         merge_negatives(s.data_ptr<T>(), tile, shares[g].data());
@@ -220,23 +365,26 @@ void add_product(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool 
 std::tuple<at::Tensor, at::Tensor> class_loss_backward_cpu(
     const at::Tensor& grad_losses, const ClassArgs& args, const at::Tensor& row_lse, bool features_grad,
     bool weight_grad) {
-  const auto& [features, labels, weight, margin, gamma] = args;
   const NoAutocast no_autocast;
-  const ClassInputs in(features, labels, weight);
-  const int64_t batch = features.size(0), dim = features.size(1);
-  at::Tensor grad_f = features_grad ? at::zeros_like(in.f) : at::empty({0, dim}, in.f.options());
-  // Each block of dW takes its first product (row block 0) by assignment,
-  // so dW starts empty, except where there are no rows to give one.
-  at::Tensor grad_w = !weight_grad ? at::empty({0, dim}, in.f.options())
-      : batch > 0                  ? at::empty_like(in.w)
-                                   : at::zeros_like(in.w);
-  if (!features_grad && !weight_grad) {
-    return {grad_f.to(features.scalar_type()), grad_w.to(features.scalar_type())};
+  const at::Tensor& weight = args.weight;
+  const int64_t batch = args.features.size(0), dim = args.features.size(1);
+  // Each block of dW takes its first product (row block 0) by assignment and
+  // is stored whole, so dW starts empty, except where some rows of it get no
+  // block (those outside the class index) or there are no rows of F.
+  // Row-major whatever weight's layout (PML keeps it transposed).
+  at::Tensor grad_w = !weight_grad                 ? at::empty({0, dim}, weight.options())
+      : batch > 0 && !is_given(args.class_index) ? at::empty(weight.sizes(), weight.options())
+                                                   : at::zeros(weight.sizes(), weight.options());
+  if ((!features_grad && !weight_grad) || batch == 0) {
+    return {at::zeros({features_grad ? batch : 0, dim}, args.features.options()), grad_w};
   }
-  AT_DISPATCH_FLOATING_TYPES(in.f.scalar_type(), "circle_class_loss_backward_cpu", [&] {
+  at::Tensor grad_f;
+  AT_DISPATCH_FLOATING_TYPES(row_lse.scalar_type(), "circle_class_loss_backward_cpu", [&] {
     using T = scalar_t;
-    const PairLogit<T> logit = pair_logit<T>(margin, gamma);
-    const int64_t* y = in.labels.data_ptr<int64_t>();
+    const ClassInputs<T> in(args);
+    grad_f = features_grad ? at::zeros_like(in.f) : at::empty({0, dim}, in.f.options());
+    const PairLogit<T> logit = pair_logit<T>(args.margin, args.gamma);
+    const int64_t* y = in.labels.template data_ptr<int64_t>();
     const at::Tensor g = grad_losses.to(in.f.scalar_type()).contiguous();
     const at::Tensor states = row_lse.contiguous();
     std::vector<T> factor(batch), lse_negative(batch);
@@ -245,50 +393,58 @@ std::tuple<at::Tensor, at::Tensor> class_loss_backward_cpu(
       factor[i] = g.data_ptr<T>()[i] * anchor_row_grad_scale(zp, lse_n);
       lse_negative[i] = factor[i] == T(0) ? std::numeric_limits<T>::infinity() : lse_n;
     }
-    const auto weights = [&](int64_t bi, int64_t bj, at::Tensor& buffer) {
-      at::Tensor s = in.tile_of_s(bi, bj, buffer);
+    const auto weights = [&](int64_t bi, int64_t bj, const ColumnBlock<T>& block, at::Tensor& buffer) {
+      at::Tensor s = in.tile_of_s(bi, block, buffer);
       tile_gradient_weights(s.data_ptr<T>(), in.tile(bi, bj), y, factor.data(), lse_negative.data(), logit);
       return s;
     };
-    const ColumnGroups split = ColumnGroups::for_gradient(batch, weight.size(0), kRowTile);
+    const ColumnGroups split = ColumnGroups::for_gradient(batch, in.columns, kRowTile);
     if (split.groups > 1 && split.groups >= split.row_blocks) {
       // dW's blocks are each share's own; dF is summed share by share.
-      const at::Tensor shares =
-          at::zeros({features_grad ? split.groups - 1 : 0, batch, dim}, in.f.options());
+      const at::Tensor shares = at::zeros({features_grad ? split.groups - 1 : 0, batch, dim}, in.f.options());
       for_each_task(split.groups, [&](int64_t share) {
-        at::Tensor buffer;
+        at::Tensor block_buffer, tile_buffer, grad_buffer;
         for (int64_t bj = split.first(share); bj < split.first(share + 1); ++bj) {
+          const ColumnBlock<T> block = in.column_block(bj, block_buffer);
+          at::Tensor grad_block =
+              weight_grad ? in.weight_grad_block(bj, block.rows.size(0), grad_w, grad_buffer) : at::Tensor();
           for (int64_t bi = 0; bi < split.row_blocks; ++bi) {
-            const at::Tensor w = weights(bi, bj, buffer);
-            if (features_grad) rows_of(share == 0 ? grad_f : shares[share - 1], bi).addmm_(w, block_of(in.w, bj));
-            if (weight_grad) add_product(block_of(grad_w, bj), w.t(), rows_of(in.f, bi), bi > 0);
+            const at::Tensor w = weights(bi, bj, block, tile_buffer);
+            if (features_grad) rows_of(share == 0 ? grad_f : shares[share - 1], bi).addmm_(w, block.rows);
+            if (weight_grad) add_product(grad_block, w.t(), rows_of(in.f, bi), bi > 0);
           }
+          if (weight_grad) in.store_weight_grad(bj, block, grad_block, grad_w);
         }
       });
       for (int64_t k = 0; k < shares.size(0); ++k) grad_f.add_(shares[k]);
     } else {
-      // dF by row blocks, then dW by class blocks, each walking the other in
-      // order: every accumulator has one owner, at the price of forming the
-      // tiles of G twice where both are wanted.
+      // dF by row blocks, then dW by column blocks, each walking the other
+      // in order: every accumulator has one owner, at the price of forming
+      // the tiles of G twice where both are wanted.
       if (features_grad) {
         for_each_task(split.row_blocks, [&](int64_t bi) {
-          at::Tensor buffer;
+          at::Tensor block_buffer, tile_buffer;
           for (int64_t bj = 0; bj < split.col_blocks; ++bj) {
-            rows_of(grad_f, bi).addmm_(weights(bi, bj, buffer), block_of(in.w, bj));
+            const ColumnBlock<T> block = in.column_block(bj, block_buffer);
+            rows_of(grad_f, bi).addmm_(weights(bi, bj, block, tile_buffer), block.rows);
           }
         });
       }
       if (weight_grad) {
         for_each_task(split.col_blocks, [&](int64_t bj) {
-          at::Tensor buffer;
+          at::Tensor block_buffer, tile_buffer, grad_buffer;
+          const ColumnBlock<T> block = in.column_block(bj, block_buffer);
+          at::Tensor grad_block = in.weight_grad_block(bj, block.rows.size(0), grad_w, grad_buffer);
           for (int64_t bi = 0; bi < split.row_blocks; ++bi) {
-            add_product(block_of(grad_w, bj), weights(bi, bj, buffer).t(), rows_of(in.f, bi), bi > 0);
+            add_product(grad_block, weights(bi, bj, block, tile_buffer).t(), rows_of(in.f, bi), bi > 0);
           }
+          in.store_weight_grad(bj, block, grad_block, grad_w);
         });
       }
     }
+    grad_f = in.features_grad(grad_f);
   });
-  return {grad_f.to(features.scalar_type()), grad_w.to(features.scalar_type())};
+  return {grad_f, grad_w};
 }
 
 } // namespace

@@ -195,20 +195,33 @@ def class_loss(
     weight: torch.Tensor,
     margin: float = CLASS_DEFAULT_MARGIN,
     gamma: float = CLASS_DEFAULT_GAMMA,
+    *,
+    normalize: bool = False,
+    class_index: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Class-level Circle Loss: each row against C class weights (proxies),
     its own class the one positive (the paper's classification head, as
     fast-reid's ``CircleSoftmax`` computes it, without the B×C logits).
 
     Args:
-        features: (B, D) float32, float64, float16 or bfloat16 rows, used as
-            given (L2-normalise them first).
-        labels: (B,) integer class of each row, on the same device; a label
-            outside [0, C) leaves its row without a positive, and its loss 0.
-        weight: (C, D) class weights of the same dtype and device, used as
-            given (L2-normalise them first).
+        features: (B, D) float32, float64, float16 or bfloat16 rows.
+        labels: (B,) integer class of each row, on the same device: a column
+            of the loss (a position in ``class_index`` where one is given); a
+            label outside the columns leaves its row without a positive, and
+            its loss 0.
+        weight: (C, D) class weights on the same device, of any of those
+            dtypes: they enter the products at least at ``features``'
+            precision, and their gradient comes back in their own dtype.
         margin: the relaxation margin m.
         gamma: the scale factor γ.
+        normalize: take cosine similarities: rows and classes L2-normalised
+            inside the op, as ``F.normalize(x, dim=1)`` does them, with no
+            normalised copy and normalize's backward folded into the
+            gradients. Without it both are used as given.
+        class_index: (K,) integer, strictly increasing, in [0, C): the loss is
+            taken against the classes ``weight[class_index]`` alone (Partial
+            FC's kept classes), ``labels`` then being positions among them;
+            the other rows of ``weight`` get a zero gradient.
 
     Returns:
         (B,) losses of ``features.dtype``: L_i = softplus(zp_i + LSE_{j≠y_i} zn_ij).
@@ -216,8 +229,9 @@ def class_loss(
         also under torch.func (grad, vjp, jacrev, vmap over them).
     """
     if _func.wanted(features) or _func.wanted(weight):
-        return _func.class_loss(features, labels, weight, margin, gamma)
-    return torch.ops.circle.class_loss(features, labels, weight, margin, gamma)
+        return _func.class_loss(features, labels, weight, margin, gamma, normalize, class_index)
+    return torch.ops.circle.class_loss(features, labels, weight, margin, gamma, normalize=normalize,
+                                       class_index=class_index)
 
 
 def _check_embeddings(embeddings: torch.Tensor, prefix: str) -> None:
@@ -290,16 +304,17 @@ def _mean_of_kept(losses: torch.Tensor, labels: torch.Tensor, ignore_index: int)
 class ClassCircleLoss(torch.nn.Module):
     """The class-level Circle Loss head: an ``nn.Module`` holding the class
     weights ``weight`` (num_classes, embedding_size) as a parameter.
-    ``forward(embeddings, labels)`` L2-normalises both and returns the mean
-    over rows of :func:`class_loss`. Scriptable, compilable, exportable.
+    ``forward(embeddings, labels)`` returns the mean over rows of
+    :func:`class_loss` with ``normalize=True`` (cosine similarities, the
+    normalisation inside the op). Scriptable, compilable, exportable.
 
     Labels must lie in [0, num_classes), except ``ignore_index`` (-100 by
     default, as for ``torch.nn.functional.cross_entropy``), whose rows leave
     the mean; any other label is refused (on CUDA by an asynchronous
     device-side assert, as cross_entropy's). Embeddings of another floating
     dtype than the weights (half precision under ``torch.autocast``, float32
-    weights) are welcome: the normalised weights are cast to the embeddings'
-    dtype for the op, and the weights' gradient arrives in their own dtype.
+    weights) are welcome: the weights enter the products at least at the
+    embeddings' precision, and their gradient arrives in their own dtype.
 
     ``sample_rate`` below 1 samples the classes as insightface's Partial FC
     does: each step keeps the classes that label a row and, up to
@@ -307,10 +322,11 @@ class ClassCircleLoss(torch.nn.Module):
     random (torch's generator: ``torch.manual_seed`` makes a step
     reproducible); the loss is the rows' against the kept classes, and the
     gradient reaches their rows of ``weight`` alone (the others' stay exactly
-    0). The kept rows are gathered and normalised, (K, D); the kept classes
-    of the last step are ``last_kept`` (empty at sample_rate 1). With
-    ``sparse_grad=True`` the weights' gradient of a sampled step is a sparse
-    tensor of the kept rows (as ``nn.Embedding(sparse=True)`` gives), for
+    0). The op reads the kept rows through its ``class_index``; the kept
+    classes of the last step are ``last_kept`` (empty at sample_rate 1). With
+    ``sparse_grad=True`` the kept rows are gathered instead, (K, D), and the
+    weights' gradient of a sampled step is a sparse tensor of them (as
+    ``nn.Embedding(sparse=True)`` gives), for
     optimisers that take one (``torch.optim.SGD``, ``SparseAdam``): no dense
     (C, D) gradient is formed.
 
@@ -348,21 +364,23 @@ class ClassCircleLoss(torch.nn.Module):
         """(B, D) embeddings and (B,) integer labels in [0, num_classes) (or
         ignore_index) -> the 0-dim mean loss over the kept rows (0 for none)."""
         _check_embeddings(embeddings, "circle_loss.ClassCircleLoss: ")
-        # In the embeddings' dtype: under CUDA autocast normalize returns float32.
-        features = torch.nn.functional.normalize(embeddings, dim=1).to(embeddings.dtype)
         classes, positions = self.weight, labels
+        index = torch.jit.annotate(Optional[torch.Tensor], None)
         if self.sample_rate < 1.0:
             kept, positions = _sampled_classes(labels, self.weight.shape[0], self.sample_rate)
-            # The kept rows; the others' gradient is 0 (or, sparse, absent).
-            classes = torch.nn.functional.embedding(kept, self.weight, sparse=self.sparse_grad)
             self.last_kept = kept
-        if not torch.jit.is_scripting() and (_under_func_transform(features) or _under_func_transform(self.weight)):
-            weight = torch.nn.functional.normalize(classes, dim=1).to(features.dtype)
-            losses = _func.class_loss(features, positions, weight, self.margin, self.gamma)
+            if self.sparse_grad:
+                # The kept rows; their gradient a sparse tensor of them.
+                classes = torch.nn.functional.embedding(kept, self.weight, sparse=True)
+            else:
+                # The op takes the kept classes through the index; the
+                # others' gradient is 0.
+                index = kept
+        if not torch.jit.is_scripting() and (_under_func_transform(embeddings) or _under_func_transform(classes)):
+            losses = _func.class_loss(embeddings, positions, classes, self.margin, self.gamma, True, index)
         else:
-            # normalize(weight) with a backward that holds one (C, D) buffer, not several.
-            weight = torch.ops.circle._normalize_rows(classes).to(features.dtype)
-            losses = torch.ops.circle.class_loss(features, positions, weight, self.margin, self.gamma)
+            losses = torch.ops.circle.class_loss(embeddings, positions, classes, self.margin, self.gamma,
+                                                 normalize=True, class_index=index)
         _check_labels_in_range(labels, self.weight.shape[0], self.ignore_index, "circle_loss.ClassCircleLoss")
         return _mean_of_kept(losses, labels, self.ignore_index)
 

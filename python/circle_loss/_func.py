@@ -130,27 +130,28 @@ class AnchorLoss(_OpFunction):
 class ClassLoss(_OpFunction):
 
     @staticmethod
-    def forward(features, labels, weight, margin, gamma):
-        return torch.ops.circle._class_loss_forward(features, labels, weight, margin, gamma)
+    def forward(features, labels, weight, margin, gamma, normalize, class_index):
+        return torch.ops.circle._class_loss_forward(
+            features, labels, weight, margin, gamma, normalize, class_index)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        features, labels, weight, margin, gamma = inputs
+        features, labels, weight, margin, gamma, normalize, class_index = inputs
         ctx.op = "circle::class_loss"
         ctx.mark_non_differentiable(output[1])
-        ctx.save_for_backward(features, labels, weight, output[1])
-        ctx.margin, ctx.gamma = margin, gamma
+        ctx.save_for_backward(features, labels, weight, output[1], class_index)
+        ctx.margin, ctx.gamma, ctx.normalize = margin, gamma, normalize
 
     @staticmethod
     def backward(ctx, grad_losses, _):
-        features, labels, weight, row_lse = ctx.saved_tensors
+        features, labels, weight, row_lse, class_index = ctx.saved_tensors
         features_grad, weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         grad_features, grad_weight = torch.ops.circle._class_loss_backward(
             grad_losses.detach(), features.detach(), labels, weight.detach(), row_lse, ctx.margin, ctx.gamma,
-            features_grad, weight_grad,
+            ctx.normalize, class_index, features_grad, weight_grad,
         )
         return (_first_derivative_only(grad_features, features, ctx.op) if features_grad else None, None,
-                _first_derivative_only(grad_weight, weight, ctx.op) if weight_grad else None, None, None)
+                _first_derivative_only(grad_weight, weight, ctx.op) if weight_grad else None, None, None, None, None)
 
 
 def loss(features, labels, margin: float, gamma: float) -> torch.Tensor:
@@ -161,5 +162,6 @@ def anchor_loss(features, labels, ref_features, ref_labels, margin: float, gamma
     return AnchorLoss.apply(features, labels, ref_features, ref_labels, margin, gamma, ref_self_index)[0]
 
 
-def class_loss(features, labels, weight, margin: float, gamma: float) -> torch.Tensor:
-    return ClassLoss.apply(features, labels, weight, margin, gamma)[0]
+def class_loss(features, labels, weight, margin: float, gamma: float, normalize: bool = False,
+               class_index: torch.Tensor | None = None) -> torch.Tensor:
+    return ClassLoss.apply(features, labels, weight, margin, gamma, normalize, class_index)[0]

@@ -335,7 +335,7 @@ def _agreed_class_batch(embeddings, labels, weight, num_classes, ignore_index, m
         _check_embeddings(embeddings, "")
         _check_local(embeddings, labels, margin, gamma, "ClassCircleLoss")
         torch.ops.circle.class_loss(embeddings.to("meta"), labels.to("meta"),
-                                    weight.to(device="meta", dtype=embeddings.dtype), margin, gamma)
+                                    weight.to("meta"), margin, gamma)
         valid = _valid_labels(labels, num_classes, ignore_index)
         if not bool(valid.all()):
             wrong = labels[~valid][:5].tolist()
@@ -347,18 +347,21 @@ def _agreed_class_batch(embeddings, labels, weight, num_classes, ignore_index, m
     return _agree("ClassCircleLoss", check, embeddings, agreed, group, need_grad)
 
 
-def _class_states_and_grads(features, global_labels, shard_labels, weight, ignore_index, margin, gamma, group, sizes,
-                            need_grad):
+def _class_states_and_grads(features, global_labels, shard_labels, weight, class_index, ignore_index, margin, gamma,
+                            group, sizes, need_grad):
     """The mean class-level loss of the global batch (every rank's rows
     against every rank's classes, the rows labelled ignore_index left out),
     and, where any rank needs a gradient, its gradients with respect to this
-    rank's rows and its classes `weight`. shard_labels: each global row's
-    class among `weight`'s rows, outside [0, len(weight)) for a class of
-    another rank (or an ignored row)."""
+    rank's rows and its classes `weight`. The rows and classes are
+    normalised inside the op; class_index: the kept classes, or None.
+    shard_labels: each global row's column (class among `weight`'s rows, or
+    position among the kept), outside the columns for a class of another
+    rank (or an ignored row)."""
     rank = dist.get_rank(group)
     all_features = _all_gather_rows(features.contiguous(), sizes, group)
     kept = global_labels != ignore_index
-    _, row_lse = torch.ops.circle._class_loss_forward(all_features, shard_labels, weight, margin, gamma)
+    _, row_lse = torch.ops.circle._class_loss_forward(all_features, shard_labels, weight, margin, gamma, True,
+                                                      class_index)
     # A row's positive lies on one rank, its negatives on all: both columns,
     # (zp, LSE_N), merge over ranks by one log-sum-exp, the same on every rank.
     states = torch.logsumexp(torch.stack(_all_gather_rows_equal(row_lse, group)), dim=0)
@@ -372,7 +375,7 @@ def _class_states_and_grads(features, global_labels, shard_labels, weight, ignor
     # The gradient of the mean: every kept row's incoming gradient is 1 / B_kept.
     incoming = kept.to(states.dtype) / batch
     grad_rows, grad_weight = torch.ops.circle._class_loss_backward(
-        incoming, all_features, shard_labels, weight, states, margin, gamma, True, True)
+        incoming, all_features, shard_labels, weight, states, margin, gamma, True, class_index, True, True)
     dist.all_reduce(grad_rows, group=group)  # every rank's share, summed
     first = sum(sizes[:rank])
     return loss, grad_rows[first : first + sizes[rank]], grad_weight
@@ -386,11 +389,11 @@ def _all_gather_rows_equal(tensor, group):
 
 class _DistributedClassLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, features, global_labels, shard_labels, weight, ignore_index, margin, gamma, group, sizes,
-                need_grad):
+    def forward(ctx, features, global_labels, shard_labels, weight, class_index, ignore_index, margin, gamma, group,
+                sizes, need_grad):
         loss, grad_features, grad_weight = _class_states_and_grads(
-            features.detach(), global_labels, shard_labels, weight.detach(), ignore_index, margin, gamma, group, sizes,
-            need_grad)
+            features.detach(), global_labels, shard_labels, weight.detach(), class_index, ignore_index, margin, gamma,
+            group, sizes, need_grad)
         ctx.save_for_backward(grad_features, grad_weight)
         return loss
 
@@ -402,7 +405,7 @@ class _DistributedClassLoss(torch.autograd.Function):
                 "computed in the forward pass and are not differentiable again."
             )
         grad_features, grad_weight = ctx.saved_tensors
-        return (grad_features * grad_loss, None, None, grad_weight * grad_loss) + (None,) * 6
+        return (grad_features * grad_loss, None, None, grad_weight * grad_loss) + (None,) * 7
 
 
 class ClassCircleLoss(_OneProcessClassCircleLoss):
@@ -484,20 +487,20 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
         sizes, need_grad = _agreed_class_batch(embeddings, labels, self.weight, self.num_classes, self.ignore_index,
                                                self.margin, self.gamma, self.reduce_grads, self.group, need_grad)
         embeddings = _for_data_parallel(embeddings, self.reduce_grads, self.group)
-        features = torch.nn.functional.normalize(embeddings, dim=1).to(embeddings.dtype)
         global_labels = _all_gather_rows(labels.to(torch.int64), sizes, self.group)
         # Each row's class among this shard's (outside [0, C_r) for another
         # rank's class or an ignored row), and the shard's classes.
         shard_labels = global_labels - self.class_range[0]
-        classes = self.weight
+        classes, index = self.weight, None
         if self.sample_rate < 1.0:
-            kept, shard_labels = _sampled_classes(shard_labels, self.weight.shape[0], self.sample_rate)
-            classes = torch.nn.functional.embedding(kept, self.weight, sparse=self.sparse_grad)
-            self.last_kept = kept + self.class_range[0]
+            index, shard_labels = _sampled_classes(shard_labels, self.weight.shape[0], self.sample_rate)
+            self.last_kept = index + self.class_range[0]
+            if self.sparse_grad:  # the kept rows gathered, their gradient sparse
+                classes, index = torch.nn.functional.embedding(index, self.weight, sparse=True), None
         shard_labels = torch.where(global_labels != self.ignore_index, shard_labels, -1)
-        # As circle_loss.ClassCircleLoss does, cast to the rows' dtype.
-        weight = torch.ops.circle._normalize_rows(classes).to(features.dtype)
-        return _DistributedClassLoss.apply(features, global_labels, shard_labels, weight, self.ignore_index,
+        # The rows and classes are normalised inside the op, as
+        # circle_loss.ClassCircleLoss has them.
+        return _DistributedClassLoss.apply(embeddings, global_labels, shard_labels, classes, index, self.ignore_index,
                                            self.margin, self.gamma, self.group, sizes, need_grad)
 
     def extra_repr(self) -> str:

@@ -268,23 +268,20 @@ class ClassCircleLoss(WeightRegularizerMixin, BaseMetricLossFunction):
         c_f.ref_not_supported(embeddings, labels, ref_emb, ref_labels)
         # The weights move to the rows' device but keep their dtype (PML's
         # ArcFaceLoss would recast them to half precision for half-precision
-        # rows): they are cast for the op, their gradient in their own dtype.
+        # rows): the op takes them so, their gradient in their own dtype.
         self.W.data = c_f.to_device(self.W.data, device=embeddings.device)
         miner_weights = lmu.convert_to_weights(indices_tuple, labels, dtype=embeddings.dtype)
         classes = self.W.t()  # (num_classes, embedding_size)
-        # In the embeddings' dtype: under CUDA autocast normalize returns float32.
-        features = self.distance.maybe_normalize(embeddings).to(embeddings.dtype)
-        positions = labels
+        # The cosine's normalisation is the op's own; a distance that does
+        # not normalise (or by another norm) is applied as PML applies it.
+        inside = bool(self.distance.normalize_embeddings) and self.distance.p == 2
+        features = embeddings if inside else self.distance.maybe_normalize(embeddings)
+        columns = classes if inside else self.distance.maybe_normalize(classes)
+        positions, index = labels, None
         if self.sample_rate < 1.0:
-            kept, positions = _sampled_classes(labels, self.num_classes, self.sample_rate)
-            classes = classes.index_select(0, kept)
-        losses = class_loss(
-            features,
-            positions,
-            self.distance.maybe_normalize(classes).to(embeddings.dtype),
-            float(self.m),
-            float(self.gamma),
-        )
+            index, positions = _sampled_classes(labels, self.num_classes, self.sample_rate)
+        losses = class_loss(features, positions, columns, float(self.m), float(self.gamma), normalize=inside,
+                            class_index=index)
         _check_labels_in_range(labels, self.num_classes, None, "circle_loss.pml.ClassCircleLoss")
         loss_dict = {
             "loss": {
@@ -293,6 +290,8 @@ class ClassCircleLoss(WeightRegularizerMixin, BaseMetricLossFunction):
                 "reduction_type": "element",
             }
         }
+        if index is not None and self.weight_regularizer is not None:
+            classes = classes.index_select(0, index)  # a sampled step regularises the kept classes
         self.add_weight_regularization_to_loss_dict(loss_dict, classes)
         return loss_dict
 
