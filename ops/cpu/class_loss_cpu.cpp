@@ -119,7 +119,9 @@ void merge_negatives(const T* z, const ClassTile& tile, LseState<double>* states
 }
 
 // normalize(x, dim=1) of n rows of width d, in place: norms[r] = max(‖x_r‖,
-// eps), and x_r divided by it.
+// eps), and x_r scaled by its inverse (a product, not normalize's
+// division: within an ulp of it, and a vector division an entry is the
+// dearest instruction of the pass).
 template <typename T>
 void normalize_rows(T* x, int64_t n, int64_t d, T* norms) {
   for (int64_t r = 0; r < n; ++r) {
@@ -128,30 +130,27 @@ void normalize_rows(T* x, int64_t n, int64_t d, T* norms) {
 #pragma omp simd reduction(+ : squares)
     for (int64_t k = 0; k < d; ++k) squares += row[k] * row[k];
     const T norm = std::max(std::sqrt(squares), static_cast<T>(kNormalizeEps));
+    const T inverse = T(1) / norm;
     norms[r] = norm;
 #pragma omp simd
-    for (int64_t k = 0; k < d; ++k) row[k] /= norm;
+    for (int64_t k = 0; k < d; ++k) row[k] *= inverse;
   }
 }
 
-// normalize's backward, in place: dy (n, d), the gradient at y =
-// normalize(x), becomes the gradient at x, (dy - y⟨y, dy⟩)/norm, with
-// ⟨y, dy⟩ taken as 0 where the norm was clamped at eps (normalize's own
-// backward: the clamp passes no gradient to the norm).
-template <typename T>
-void normalize_rows_backward(T* dy, const T* y, const T* norms, int64_t n, int64_t d) {
-  for (int64_t r = 0; r < n; ++r) {
-    T* __restrict__ g = dy + r * d;
-    const T* __restrict__ yr = y + r * d;
-    T along = 0;
-    if (norms[r] > static_cast<T>(kNormalizeEps)) {
+// normalize's backward of row r: dy (d,), the gradient at y = normalize(x),
+// -> the gradient at x, (dy - y⟨y, dy⟩)/norm, with ⟨y, dy⟩ taken as 0 where
+// the norm was clamped at eps (normalize's own backward: the clamp passes
+// no gradient to the norm), written to out (which may be dy).
+template <typename T, typename Out>
+void normalize_row_backward(const T* dy, const T* y, T norm, int64_t d, Out* out) {
+  T along = 0;
+  if (norm > static_cast<T>(kNormalizeEps)) {
 #pragma omp simd reduction(+ : along)
-      for (int64_t k = 0; k < d; ++k) along += yr[k] * g[k];
-    }
-    const T norm = norms[r];
-#pragma omp simd
-    for (int64_t k = 0; k < d; ++k) g[k] = (g[k] - yr[k] * along) / norm;
+    for (int64_t k = 0; k < d; ++k) along += y[k] * dy[k];
   }
+  const T inverse = T(1) / norm;
+#pragma omp simd
+  for (int64_t k = 0; k < d; ++k) out[k] = static_cast<Out>((dy[k] - y[k] * along) * inverse);
 }
 
 // Rows first, ..., first + n - 1 of the columns, as rows of `weight` (C, D)
@@ -169,17 +168,24 @@ void load_rows(const at::Tensor& weight, const int64_t* index, int64_t first, in
   });
 }
 
-// rows (n, D) in T into the rows of `out` (C, D), in its own dtype, that the
-// columns first, ..., first + n - 1 are (through index where given).
+// A block's gradient rows (n, D) in T into the rows of `out` (C, D), in its
+// own dtype, that the columns first, ..., first + n - 1 are (through index
+// where given), with normalize's backward on the way where the block's
+// rows y (n, D) were normalised by `norms`.
 template <typename T>
-void store_rows(const T* rows, const int64_t* index, int64_t first, int64_t n, at::Tensor& out) {
+void store_rows(const T* rows, const T* y, const T* norms, const int64_t* index, int64_t first, int64_t n,
+                at::Tensor& out) {
   const int64_t d = out.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "circle_class_store_rows", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     for (int64_t r = 0; r < n; ++r) {
       const T* __restrict__ src = rows + r * d;
       scalar_t* __restrict__ dst = o + (index ? index[first + r] : first + r) * d;
-      for (int64_t k = 0; k < d; ++k) dst[k] = static_cast<scalar_t>(src[k]);
+      if (norms) {
+        normalize_row_backward(src, y + r * d, norms[r], d, dst);
+      } else {
+        for (int64_t k = 0; k < d; ++k) dst[k] = static_cast<scalar_t>(src[k]);
+      }
     }
   });
 }
@@ -241,10 +247,9 @@ struct ClassInputs {
   // the index, in weight's dtype. Unless it is already there (views).
   void store_weight_grad(int64_t bj, const ColumnBlock<T>& block, at::Tensor& grad_block, at::Tensor& grad_w) const {
     if (blocks_are_views) return;
-    const int64_t n = block.rows.size(0), d = f.size(1);
-    T* g = grad_block.data_ptr<T>();
-    if (args.normalize) normalize_rows_backward(g, block.rows.template const_data_ptr<T>(), block.norms.data(), n, d);
-    store_rows(g, index.defined() ? index.const_data_ptr<int64_t>() : nullptr, bj * kTile, n, grad_w);
+    store_rows(grad_block.const_data_ptr<T>(), block.rows.template const_data_ptr<T>(),
+               args.normalize ? block.norms.data() : nullptr, index.defined() ? index.const_data_ptr<int64_t>() : nullptr,
+               bj * kTile, block.rows.size(0), grad_w);
   }
 
   // Where a block's dW is summed: grad_w's own rows (views), else the
@@ -274,7 +279,11 @@ struct ClassInputs {
   // gradient at features, in features' dtype.
   at::Tensor features_grad(at::Tensor grad_f) const {
     if (args.normalize && grad_f.numel() > 0) {
-      normalize_rows_backward(grad_f.data_ptr<T>(), f.const_data_ptr<T>(), f_norms.data(), f.size(0), f.size(1));
+      const int64_t d = f.size(1);
+      T* g = grad_f.data_ptr<T>();
+      for (int64_t r = 0; r < f.size(0); ++r) {
+        normalize_row_backward(g + r * d, f.const_data_ptr<T>() + r * d, f_norms[r], d, g + r * d);
+      }
     }
     return grad_f.to(args.features.scalar_type());
   }
