@@ -128,7 +128,7 @@ def cpu_extra_peak_bytes(method, mode, batch, classes, dim, dtype) -> int:
 
 def cpu_memory_probe(method, mode, batch, classes, dim, dtype) -> None:
     rates = [float(method.split()[1])] if method.startswith("sample_rate") else []
-    step = step_of(methods("cpu", rates, contenders=False)[method], mode)
+    step = step_of(methods("cpu", rates)[method], mode)
     x, y, w = make_inputs(batch, classes, dim, "cpu", getattr(torch, dtype))
     x.requires_grad_(mode == "fwd+bwd")
     w.requires_grad_(mode == "fwd+bwd")
