@@ -12,43 +12,46 @@
 #include "kernel_args.h"
 
 #include <ATen/OpMathType.h>
+#include <ATen/ops/addcmul.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/clamp_min.h>
 #include <ATen/ops/div.h>
+#include <ATen/ops/einsum.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gt.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/linalg_vector_norm.h>
-#include <ATen/ops/mul.h>
-#include <ATen/ops/sub.h>
-#include <ATen/ops/sum.h>
 #include <ATen/ops/where.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
 namespace circle_loss {
 namespace {
 
-// Rows x (N, D) normalised as normalize(x, dim=1) does it, in float32 (or
-// float64) whatever x's dtype, with their clamped norms (N, 1).
+// Rows x (N, D) normalised as normalize(x, dim=1) does it, each quotient
+// taken in float32 (float64) and rounded once into `dtype` (the op's
+// compute dtype for the per-anchor kernels): one (N, D) buffer in that
+// dtype, no float32 copy of half-precision rows.
 struct NormalizedRows {
-  at::Tensor values; // (N, D) in x's accumulation dtype
-  at::Tensor norms; // (N, 1)
+  at::Tensor values; // (N, D) in dtype
+  at::Tensor norms; // (N, 1) max(‖x‖, eps) in x's accumulation dtype
 
-  explicit NormalizedRows(const at::Tensor& x) {
-    const at::Tensor wide = x.to(at::toOpMathType(x.scalar_type()));
-    norms = at::clamp_min(at::linalg_vector_norm(wide, 2, {1}, /*keepdim=*/true), kNormalizeEps);
-    values = at::div(wide, norms);
+  NormalizedRows(const at::Tensor& x, at::ScalarType dtype)
+      : values(at::empty(x.sizes(), x.options().dtype(dtype))),
+        norms(at::clamp_min(
+            at::linalg_vector_norm(x, 2, {1}, /*keepdim=*/true, at::toOpMathType(x.scalar_type())), kNormalizeEps)) {
+    at::div_out(values, x, norms);
   }
 
-  // normalize's backward: dy (N, D) at the values -> the gradient at x,
-  // (dy - y⟨y, dy⟩)/norm, ⟨y, dy⟩ taken as 0 where the norm was clamped.
-  at::Tensor backward(const at::Tensor& dy) const {
-    const at::Tensor g = dy.to(values.scalar_type());
+  // normalize's backward: dy (N, D) at the values, in their dtype -> the
+  // gradient at x in `dtype`, (dy - y⟨y, dy⟩)/norm, ⟨y, dy⟩ taken as 0 where
+  // the norm was clamped (the clamp passes no gradient to the norm).
+  at::Tensor backward(const at::Tensor& dy, at::ScalarType dtype) const {
     const at::Tensor along = at::where(
-        at::gt(norms, kNormalizeEps), at::sum(at::mul(values, g), {1}, /*keepdim=*/true), 0);
-    return at::div(at::sub(g, at::mul(values, along)), norms);
+        at::gt(norms, kNormalizeEps), at::einsum("nd,nd->n", {values, dy}).unsqueeze(1).to(norms.scalar_type()), 0);
+    const at::Tensor projected = at::addcmul(dy, values, along.to(dy.scalar_type()), -1);
+    at::Tensor dx = at::empty(dy.sizes(), dy.options().dtype(dtype));
+    return at::div_out(dx, projected, norms);
   }
 };
 
@@ -65,10 +68,10 @@ struct AsAnchorArgs {
   AnchorArgs args; // refers to the members above
 
   explicit AsAnchorArgs(const ClassArgs& a)
-      : rows(a.normalize ? std::make_optional<NormalizedRows>(a.features) : std::nullopt),
-        columns(a.normalize ? std::make_optional<NormalizedRows>(gathered(a)) : std::nullopt),
-        features(rows ? rows->values.to(a.features.scalar_type()) : a.features),
-        weight((columns ? columns->values : gathered(a)).to(a.features.scalar_type())),
+      : rows(a.normalize ? std::make_optional<NormalizedRows>(a.features, a.features.scalar_type()) : std::nullopt),
+        columns(a.normalize ? std::make_optional<NormalizedRows>(gathered(a), a.features.scalar_type()) : std::nullopt),
+        features(rows ? rows->values : a.features),
+        weight(columns ? columns->values : gathered(a).to(a.features.scalar_type())),
         column_labels(at::arange(a.columns(), a.labels.options().dtype(at::kLong))),
         args{features, a.labels, weight, column_labels, a.margin, a.gamma, no_index} {
     check_class_index_values(a);
@@ -99,11 +102,11 @@ std::tuple<at::Tensor, at::Tensor> class_loss_backward_cuda(
       call_anchor_loss_backward(grad_losses, anchor.args, row_lse, /*ref_grad=*/weight_grad, std::nullopt);
   const int64_t dim = args.features.size(1);
   at::Tensor grad_features = !features_grad ? at::empty({0, dim}, args.features.options())
-      : anchor.rows                          ? anchor.rows->backward(grad_rows).to(args.features.scalar_type())
+      : anchor.rows                          ? anchor.rows->backward(grad_rows, args.features.scalar_type())
                                              : grad_rows;
   if (!weight_grad) return {grad_features, at::empty({0, dim}, args.weight.options())};
-  if (anchor.columns) grad_columns = anchor.columns->backward(grad_columns);
-  grad_columns = grad_columns.to(args.weight.scalar_type());
+  grad_columns = anchor.columns ? anchor.columns->backward(grad_columns, args.weight.scalar_type())
+                               : grad_columns.to(args.weight.scalar_type());
   if (!is_given(args.class_index)) return {grad_features, grad_columns};
   // Strictly increasing indices: one add a row, into zeros, in any order.
   at::Tensor grad_weight = at::zeros_like(args.weight);
