@@ -154,16 +154,25 @@ void normalize_row_backward(const T* dy, const T* y, T norm, int64_t d, Out* out
 }
 
 // Rows first, ..., first + n - 1 of the columns, as rows of `weight` (C, D)
-// in its own dtype (through index where given), into out (n, D) in T.
+// in its own dtype and layout (through index where given), into out (n, D)
+// in T. A transposed weight (PML keeps W as (D, C)) is read a feature at a
+// time across the block's rows, which lie side by side there.
 template <typename T>
 void load_rows(const at::Tensor& weight, const int64_t* index, int64_t first, int64_t n, T* out) {
-  const int64_t d = weight.size(1);
+  const int64_t d = weight.size(1), row_stride = weight.stride(0), feature_stride = weight.stride(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "circle_class_load_rows", [&] {
     const scalar_t* w = weight.const_data_ptr<scalar_t>();
-    for (int64_t r = 0; r < n; ++r) {
-      const scalar_t* __restrict__ src = w + (index ? index[first + r] : first + r) * d;
-      T* __restrict__ dst = out + r * d;
-      for (int64_t k = 0; k < d; ++k) dst[k] = static_cast<T>(src[k]);
+    const auto row = [&](int64_t r) { return w + (index ? index[first + r] : first + r) * row_stride; };
+    if (feature_stride == 1) {
+      for (int64_t r = 0; r < n; ++r) {
+        const scalar_t* __restrict__ src = row(r);
+        T* __restrict__ dst = out + r * d;
+        for (int64_t k = 0; k < d; ++k) dst[k] = static_cast<T>(src[k]);
+      }
+    } else {
+      for (int64_t k = 0; k < d; ++k) {
+        for (int64_t r = 0; r < n; ++r) out[r * d + k] = static_cast<T>(row(r)[k * feature_stride]);
+      }
     }
   });
 }
@@ -204,22 +213,23 @@ struct ClassInputs {
   const ClassArgs& args;
   at::Tensor f; // (B, D) in T, contiguous, normalised where asked
   std::vector<T> f_norms; // (B,) max(‖f_i‖, eps), with normalize
-  at::Tensor weight; // (C, D), contiguous, in its own dtype
+  at::Tensor weight; // (C, D) in its own dtype
   at::Tensor index; // (K,) int64, contiguous, or undefined
   at::Tensor labels; // (B,) int64
   int64_t columns;
-  // The blocks are views of W: T, every class, nothing to scale.
+  // The blocks are views of W (made contiguous): in T, every class,
+  // nothing to scale. Else they are loaded from W as it lies.
   bool blocks_are_views;
 
   explicit ClassInputs(const ClassArgs& a)
       : args(a),
         f(a.features.to(c10::CppTypeToScalarType<T>::value, /*non_blocking=*/false, /*copy=*/a.normalize)
               .contiguous()),
-        weight(a.weight.contiguous()),
         index(is_given(a.class_index) ? a.class_index->to(at::kLong).contiguous() : at::Tensor()),
         labels(a.labels.to(at::kLong).contiguous()),
         columns(a.columns()),
-        blocks_are_views(!a.normalize && !index.defined() && weight.scalar_type() == f.scalar_type()) {
+        blocks_are_views(!a.normalize && !index.defined() && a.weight.scalar_type() == f.scalar_type()) {
+    weight = blocks_are_views ? a.weight.contiguous() : a.weight;
     check_class_index_values(a);
     if (a.normalize) {
       f_norms.resize(f.size(0));
