@@ -165,16 +165,21 @@ def test_gradients_as_asked(device):
             assert relative_error(w.grad, ref_w) <= 1e-10
 
 
-def test_bitwise_deterministic_for_any_thread_count(device):
+@pytest.mark.parametrize("normalize,indexed", [(False, False), (True, True)])
+def test_bitwise_deterministic_for_any_thread_count(device, normalize, indexed):
     features, _ = make_inputs(300, 16, 1, device)
     weight = make_classes(5000, 16, device)
-    labels = torch.randint(0, 5000, (300,), device=device)
+    index = torch.arange(1, 5000, 2, device=device) if indexed else None
+    labels = torch.randint(0, 5000 if index is None else len(index), (300,), device=device)
     results = []
     threads = torch.get_num_threads()
     try:
         for n in (1, 2, 1):
             torch.set_num_threads(n)
-            results.append(run_class(features, labels, weight, 0.25, 64.0))
+            f, w = features.clone().requires_grad_(), weight.clone().requires_grad_()
+            losses = circle_loss.class_loss(f, labels, w, 0.25, 64.0, normalize=normalize, class_index=index)
+            losses.sum().backward()
+            results.append((losses, f.grad, w.grad))
     finally:
         torch.set_num_threads(threads)
     for other in results[1:]:
