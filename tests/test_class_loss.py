@@ -489,6 +489,7 @@ def reference_of_cosines(features, labels, weight, class_index=None, margin=0.25
     return losses, grad_f, grad_w
 
 
+@pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("batch,classes,dim", [(1, 1, 4), (37, 300, 16), (300, 2, 8), (1100, 700, 12)])
 @pytest.mark.parametrize("indexed", [False, True])
