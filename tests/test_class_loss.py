@@ -456,11 +456,19 @@ def test_memory_never_holds_batch_by_classes():
         circle_loss.class_loss(f, y, w).sum().backward()
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         print((after - before) * 1024)
+        # Raw rows and classes normalised inside: beyond dW (C × D), no
+        # normalised copy of W and no gradient of one.
+        f.grad = w.grad = None
+        before = after
+        circle_loss.class_loss(3 * f.detach(), y, (2 * w).detach().requires_grad_(), normalize=True).sum().backward()
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
         """
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    grown = int(out.stdout)
+    grown, grown_normalizing = (int(line) for line in out.stdout.split())
     assert grown < 256 * 400_000 * 4 / 4, f"peak grew by {grown / 2**20:.0f} MiB"
+    # The scaled W (C × D) is an input of this step; its gradient is dW.
+    assert grown_normalizing < 2.5 * 400_000 * 16 * 4, f"peak grew by {grown_normalizing / 2**20:.0f} MiB"
 
 
 def raw_inputs(batch, classes, dim, device, dtype=torch.float64, degenerate=True):
