@@ -51,14 +51,14 @@ TORCH_LIBRARY(circle, m) {
   // features against the class weights (class proxies), the column
   // labels[i] its one positive, every other column a negative
   // (docs/math.md). normalize: the similarities are cosines, rows and
-  // classes L2-normalised inside the op (as normalize(x, dim=1) does them),
-  // which forms no normalised copy and folds normalize's backward into the
-  // gradients. class_index (K,), strictly increasing in [0, C): the columns
-  // are the classes weight[class_index] (Partial FC's kept classes), labels
-  // are positions among them, and weight's gradient is 0 outside them.
-  // weight may have another floating dtype than features (float32 weights
-  // under half-precision rows): it enters at features' precision, and its
-  // gradient comes back in its own dtype. A label outside the columns
+  // classes L2-normalised inside the op as normalize(x, dim=1) does them,
+  // and the gradients are those at the raw inputs. class_index (K,),
+  // strictly increasing in [0, C): the columns are the classes
+  // weight[class_index] (Partial FC's kept classes), labels are positions
+  // among them, and weight's gradient is 0 outside them. weight may have
+  // another floating dtype than features (float32 weights under
+  // half-precision rows): it enters at least at features' precision, and
+  // its gradient comes back in its own dtype. A label outside the columns
   // leaves the row without a positive and its loss 0. Kernels: one for
   // every backend runs _class_loss_forward for the losses alone; the
   // Autograd kernel routes through it and _class_loss_backward.

@@ -73,9 +73,7 @@ struct AsAnchorArgs {
         features(rows ? rows->values : a.features),
         weight(columns ? columns->values : gathered(a).to(a.features.scalar_type())),
         column_labels(at::arange(a.columns(), a.labels.options().dtype(at::kLong))),
-        args{features, a.labels, weight, column_labels, a.margin, a.gamma, no_index} {
-    check_class_index_values(a);
-  }
+        args{features, a.labels, weight, column_labels, a.margin, a.gamma, no_index} {}
   AsAnchorArgs(const AsAnchorArgs&) = delete;
   AsAnchorArgs& operator=(const AsAnchorArgs&) = delete;
 
@@ -87,6 +85,7 @@ struct AsAnchorArgs {
 
 std::tuple<at::Tensor, at::Tensor> class_loss_forward_cuda(const ClassArgs& args) {
   const NoAutocast no_autocast;
+  check_class_index_values(args); // before index_select's own, blunter assert
   const AsAnchorArgs anchor(args);
   auto [losses, row_lse, unused] = call_anchor_loss_forward(anchor.args, /*keep_diagonal_tiles=*/false);
   return {losses, row_lse};
@@ -96,6 +95,7 @@ std::tuple<at::Tensor, at::Tensor> class_loss_backward_cuda(
     const at::Tensor& grad_losses, const ClassArgs& args, const at::Tensor& row_lse, bool features_grad,
     bool weight_grad) {
   const NoAutocast no_autocast;
+  check_class_index_values(args);
   const AsAnchorArgs anchor(args);
   // The per-anchor backward forms dF whatever is asked; dW where asked.
   auto [grad_rows, grad_columns] =
