@@ -237,6 +237,11 @@ struct ClassInputs {
     }
   }
 
+  // The class index's entries, or null without one.
+  const int64_t* index_data() const {
+    return index.defined() ? index.const_data_ptr<int64_t>() : nullptr;
+  }
+
   // Column block bj, into the task's buffer (kTile, D) unless a view serves.
   ColumnBlock<T> column_block(int64_t bj, at::Tensor& buffer) const {
     const int64_t first = bj * kTile, n = std::min(kTile, columns - first);
@@ -244,7 +249,7 @@ struct ClassInputs {
     if (!buffer.defined()) buffer = at::empty({kTile, f.size(1)}, f.options());
     ColumnBlock<T> block{buffer.narrow(0, 0, n), {}};
     T* rows = block.rows.template data_ptr<T>();
-    load_rows(weight, index.defined() ? index.const_data_ptr<int64_t>() : nullptr, first, n, rows);
+    load_rows(weight, index_data(), first, n, rows);
     if (args.normalize) {
       block.norms.resize(n);
       normalize_rows(rows, n, f.size(1), block.norms.data());
@@ -258,8 +263,7 @@ struct ClassInputs {
   void store_weight_grad(int64_t bj, const ColumnBlock<T>& block, at::Tensor& grad_block, at::Tensor& grad_w) const {
     if (blocks_are_views) return;
     store_rows(grad_block.const_data_ptr<T>(), block.rows.template const_data_ptr<T>(),
-               args.normalize ? block.norms.data() : nullptr, index.defined() ? index.const_data_ptr<int64_t>() : nullptr,
-               bj * kTile, block.rows.size(0), grad_w);
+               args.normalize ? block.norms.data() : nullptr, index_data(), bj * kTile, block.rows.size(0), grad_w);
   }
 
   // Where a block's dW is summed: grad_w's own rows (views), else the

@@ -296,6 +296,16 @@ def _sampled_classes(labels: torch.Tensor, num_classes: int, sample_rate: float)
     return kept, torch.where(valid, positions, -1)
 
 
+def _kept_columns(weight: torch.Tensor, kept: torch.Tensor, sparse_grad: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The op's weight and class index for a sampled step: with sparse_grad
+    the kept rows gathered by embedding(sparse=True), whose gradient is a
+    sparse tensor of them; else all of weight, the op taking the kept rows
+    through its index (the others' gradient 0)."""
+    if sparse_grad:
+        return torch.nn.functional.embedding(kept, weight, sparse=True), None
+    return weight, kept
+
+
 def _mean_of_kept(losses: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """The mean over the rows whose label is not ignore_index (0 where none is)."""
     kept = labels != ignore_index
@@ -370,13 +380,7 @@ class ClassCircleLoss(torch.nn.Module):
         if self.sample_rate < 1.0:
             kept, positions = _sampled_classes(labels, self.weight.shape[0], self.sample_rate)
             self.last_kept = kept
-            if self.sparse_grad:
-                # The kept rows; their gradient a sparse tensor of them.
-                classes = torch.nn.functional.embedding(kept, self.weight, sparse=True)
-            else:
-                # The op takes the kept classes through the index; the
-                # others' gradient is 0.
-                index = kept
+            classes, index = _kept_columns(self.weight, kept, self.sparse_grad)
         if not torch.jit.is_scripting() and (_under_func_transform(embeddings) or _under_func_transform(classes)):
             losses = _func.class_loss(embeddings, positions, classes, self.margin, self.gamma, True, index)
         else:

@@ -45,6 +45,7 @@ from . import (
     DEFAULT_GAMMA,
     DEFAULT_MARGIN,
     _check_embeddings,
+    _kept_columns,
     _sampled_classes,
     _valid_labels,
 )
@@ -493,10 +494,9 @@ class ClassCircleLoss(_OneProcessClassCircleLoss):
         shard_labels = global_labels - self.class_range[0]
         classes, index = self.weight, None
         if self.sample_rate < 1.0:
-            index, shard_labels = _sampled_classes(shard_labels, self.weight.shape[0], self.sample_rate)
-            self.last_kept = index + self.class_range[0]
-            if self.sparse_grad:  # the kept rows gathered, their gradient sparse
-                classes, index = torch.nn.functional.embedding(index, self.weight, sparse=True), None
+            kept, shard_labels = _sampled_classes(shard_labels, self.weight.shape[0], self.sample_rate)
+            self.last_kept = kept + self.class_range[0]
+            classes, index = _kept_columns(self.weight, kept, self.sparse_grad)
         shard_labels = torch.where(global_labels != self.ignore_index, shard_labels, -1)
         # The rows and classes are normalised inside the op, as
         # circle_loss.ClassCircleLoss has them.
